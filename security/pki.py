@@ -1,0 +1,465 @@
+"""Federation PKI: one small CA that issues the hub's server certificate and one client certificate per silo.
+
+Layout of a CA directory (made by :func:`init_ca`)::
+
+    ca.pem        CA certificate (public; copied into every bundle)
+    ca.key        CA private key (0600; optionally passphrase-encrypted; keep it off the hub if you can)
+    crl.pem       certificate revocation list signed by the CA (empty until something is revoked)
+    issued.json   inventory of every certificate issued: kind, name, serial, not_after, path, status
+
+Layout of a bundle directory (made by :func:`issue_hub` / :func:`issue_silo`), the unit that is copied to a
+machine::
+
+    ca.pem        the federation CA certificate (trust anchor for the peer)
+    cert.pem      this machine's certificate
+    key.pem       this machine's private key (0600, never encrypted: gRPC cannot read encrypted keys)
+
+All keys are ECDSA P-256 and all signatures SHA-256: small, fast, and supported by every TLS stack gRPC uses.
+The inventory keeps a ``status`` per certificate and the CRL is rebuilt from it (:func:`write_crl`), so revoking
+is "mark the entry revoked, rewrite the CRL" and renewing is "issue again under a new serial".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+CA_CERT = "ca.pem"
+CA_KEY = "ca.key"
+CRL = "crl.pem"
+INVENTORY = "issued.json"
+BUNDLE_CA = "ca.pem"
+BUNDLE_CERT = "cert.pem"
+BUNDLE_KEY = "key.pem"
+
+HUB_CN = "hub"
+DEFAULT_HUB_DNS = ("localhost",)
+DEFAULT_HUB_IPS = ("127.0.0.1",)
+
+# Silo names become a certificate CN, a DNS SAN and a directory name, so keep them to a boring, portable set.
+_SILO_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# Backdate notBefore a little so a peer whose clock runs slightly behind does not reject a fresh certificate.
+_CLOCK_SKEW = dt.timedelta(minutes=5)
+# The CRL is re-signed whenever the inventory changes; nextUpdate only tells verifiers how stale it may get.
+_CRL_VALIDITY = dt.timedelta(days=30)
+
+
+class PkiError(Exception):
+    """A PKI operation failed for a reason the user can fix; the message says what to do."""
+
+
+@dataclass
+class IssuedCert:
+    """One row of ``issued.json``."""
+
+    kind: str  # "hub" or "silo"
+    name: str  # CN
+    serial: str  # hex, lower case, no 0x
+    not_after: str  # ISO 8601, UTC
+    path: str  # bundle directory, absolute
+    status: str = "valid"  # "valid" or "revoked" (revocation comes with `silo-certs revoke`)
+    revoked_at: str | None = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# small file helpers
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _write_new(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Create ``path`` with ``mode``; fail if it exists (O_EXCL), so a key is never silently replaced.
+
+    The mode is given to open() rather than chmod-ed afterwards so a private key is never readable by others,
+    not even for an instant.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise PkiError(
+            f"{path} already exists; refusing to overwrite it (use a new directory or delete it first)"
+        ) from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    # umask may have removed bits we asked for (never added any): make the mode exact.
+    os.chmod(path, mode)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically so a crash never leaves a half-written inventory or CRL."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _refuse_existing(paths: Iterable[Path]) -> None:
+    for p in paths:
+        if p.exists():
+            raise PkiError(
+                f"{p} already exists; refusing to overwrite it (use a new directory or delete it first)"
+            )
+
+
+def _check_days(days: int) -> None:
+    if days < 1:
+        raise PkiError(f"validity must be at least 1 day, got {days}")
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey, passphrase: bytes | None = None) -> bytes:
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
+    )
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CA
+
+
+def init_ca(
+    out_dir: Path, name: str = "silokit CA", days: int = 3650, passphrase: bytes | None = None
+) -> Path:
+    """Create the federation CA in ``out_dir`` and return ``out_dir``.
+
+    Writes ca.pem, ca.key (0600, encrypted when ``passphrase`` is given), an empty signed crl.pem and an empty
+    issued.json. Refuses to touch a directory that already holds any of them.
+    """
+    out_dir = Path(out_dir)
+    _check_days(days)
+    if not name.strip():
+        raise PkiError("the CA name must not be empty")
+    _refuse_existing(out_dir / f for f in (CA_KEY, CA_CERT, CRL, INVENTORY))
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # only the CA admin needs to look inside
+
+    key = _new_key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + dt.timedelta(days=days))
+        # path_length=0: this CA signs leaf certificates only, never another CA.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+    # Key first: if anything fails after it, the directory is clearly "taken" and nothing is half-overwritten.
+    _write_new(out_dir / CA_KEY, _key_pem(key, passphrase), mode=0o600)
+    _write_new(out_dir / CA_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    _write_crl_file(out_dir, cert, key, revoked=[])
+    _save_inventory(out_dir, [])
+    return out_dir
+
+
+def load_ca(
+    ca_dir: Path, passphrase: bytes | None = None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """Load the CA certificate and key from ``ca_dir``; every failure becomes a PkiError that says what to do."""
+    ca_dir = Path(ca_dir)
+    cert_path, key_path = ca_dir / CA_CERT, ca_dir / CA_KEY
+    for p in (cert_path, key_path):
+        if not p.is_file():
+            raise PkiError(
+                f"{p} not found; is {ca_dir} a CA directory? (create one with `silo-certs init --dir DIR`)"
+            )
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except ValueError as e:
+        raise PkiError(f"{cert_path} is not a PEM certificate: {e}") from e
+    key_bytes = key_path.read_bytes()
+    try:
+        key = serialization.load_pem_private_key(key_bytes, password=passphrase or None)
+    except TypeError as e:
+        # cryptography raises TypeError both for "encrypted but no password" and "password but not encrypted".
+        if passphrase:
+            raise PkiError(f"{key_path} is not encrypted; run again without a passphrase") from e
+        raise PkiError(f"{key_path} is encrypted; give its passphrase (--passphrase-file FILE)") from e
+    except ValueError as e:
+        if passphrase:
+            raise PkiError(f"cannot decrypt {key_path}: wrong passphrase?") from e
+        raise PkiError(f"{key_path} is not a PEM private key: {e}") from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
+        raise PkiError(f"{key_path} does not belong to {cert_path}; the CA directory is inconsistent")
+    return cert, key
+
+
+# --------------------------------------------------------------------------------------------------------------
+# leaf certificates
+
+
+def issue_hub(
+    ca_dir: Path,
+    out_dir: Path,
+    dns: list[str] | None = None,
+    ips: list[str] | None = None,
+    days: int = 90,
+    passphrase: bytes | None = None,
+) -> Path:
+    """Issue the hub's server certificate into the bundle ``out_dir`` and return ``out_dir``.
+
+    SANs are the given DNS names and IP addresses; with neither, ``localhost`` and ``127.0.0.1``. Silos verify
+    the hub against these SANs, so list every name or address the silos dial.
+    ``passphrase`` unlocks the CA key.
+    """
+    dns = list(dns or [])
+    ips = list(ips or [])
+    if not dns and not ips:
+        dns, ips = list(DEFAULT_HUB_DNS), list(DEFAULT_HUB_IPS)
+    sans: list[x509.GeneralName] = []
+    for d in dns:
+        if not d or any(c.isspace() for c in d) or "/" in d:
+            raise PkiError(f"invalid DNS name {d!r} for the hub certificate")
+        sans.append(x509.DNSName(d))
+    for ip in ips:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
+        except ValueError as e:
+            raise PkiError(f"invalid IP address {ip!r} for the hub certificate") from e
+    return _issue_bundle(
+        ca_dir, out_dir, "hub", HUB_CN, sans, ExtendedKeyUsageOID.SERVER_AUTH, days, passphrase
+    )
+
+
+def issue_silo(
+    ca_dir: Path, name: str, out_dir: Path, days: int = 90, passphrase: bytes | None = None
+) -> Path:
+    """Issue the client certificate of silo ``name`` (its identity: CN = name) into the bundle ``out_dir``.
+
+    ``passphrase`` unlocks the CA key.
+    """
+    validate_silo_name(name)
+    sans: list[x509.GeneralName] = [x509.DNSName(name)]
+    return _issue_bundle(
+        ca_dir, out_dir, "silo", name, sans, ExtendedKeyUsageOID.CLIENT_AUTH, days, passphrase
+    )
+
+
+def validate_silo_name(name: str) -> None:
+    """Raise PkiError unless ``name`` is a usable silo id."""
+    if not _SILO_NAME_RE.fullmatch(name or "") or name.startswith("."):
+        raise PkiError(
+            f"invalid silo name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (not starting with '.')"
+        )
+
+
+def _issue_bundle(
+    ca_dir: Path,
+    out_dir: Path,
+    kind: str,
+    cn: str,
+    sans: list[x509.GeneralName],
+    eku: x509.ObjectIdentifier,
+    days: int,
+    passphrase: bytes | None,
+) -> Path:
+    ca_dir, out_dir = Path(ca_dir), Path(out_dir)
+    _check_days(days)
+    # Check the destination before unlocking the CA, so a typo costs nothing.
+    _refuse_existing(out_dir / f for f in (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA))
+    ca_cert, ca_key = load_ca(ca_dir, passphrase)
+
+    now = _now()
+    not_after = now + dt.timedelta(days=days)
+    if not_after > ca_cert.not_valid_after_utc:
+        # A leaf that outlives its CA would fail verification on the day the CA expires anyway; say so now.
+        raise PkiError(
+            f"the certificate would outlive the CA (CA expires {ca_cert.not_valid_after_utc:%Y-%m-%d}); "
+            "use fewer --days or a new CA"
+        )
+    key = _new_key()
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,  # ECDHE + ECDSA: the key only ever signs the handshake
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write_new(out_dir / BUNDLE_KEY, _key_pem(key), mode=0o600)
+    _write_new(out_dir / BUNDLE_CERT, cert.public_bytes(serialization.Encoding.PEM))
+    shutil.copyfile(ca_dir / CA_CERT, out_dir / BUNDLE_CA)
+
+    entries = load_inventory(ca_dir)
+    entries.append(
+        IssuedCert(
+            kind=kind,
+            name=cn,
+            serial=format(cert.serial_number, "x"),
+            not_after=cert.not_valid_after_utc.isoformat(),
+            path=str(out_dir.resolve()),
+        )
+    )
+    _save_inventory(ca_dir, entries)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------------------
+# inventory and CRL
+
+
+def load_inventory(ca_dir: Path) -> list[IssuedCert]:
+    """Read ``issued.json`` of ``ca_dir``."""
+    path = Path(ca_dir) / INVENTORY
+    if not path.is_file():
+        raise PkiError(
+            f"{path} not found; is {ca_dir} a CA directory? (create one with `silo-certs init --dir DIR`)"
+        )
+    try:
+        rows = json.loads(path.read_text())
+        return [IssuedCert(**row) for row in rows]
+    except (ValueError, TypeError) as e:
+        raise PkiError(f"{path} is corrupt ({e}); restore it from a backup") from e
+
+
+def _save_inventory(ca_dir: Path, entries: list[IssuedCert]) -> None:
+    data = json.dumps([asdict(e) for e in entries], indent=2) + "\n"
+    _write_atomic(Path(ca_dir) / INVENTORY, data.encode())
+
+
+def write_crl(ca_dir: Path, passphrase: bytes | None = None) -> Path:
+    """Re-sign ``crl.pem`` from the inventory: every entry with status "revoked" is listed.
+
+    Revocation (a later `silo-certs revoke`) is: set status/revoked_at in issued.json, then call this.
+    """
+    ca_dir = Path(ca_dir)
+    ca_cert, ca_key = load_ca(ca_dir, passphrase)
+    revoked = [
+        (int(e.serial, 16), dt.datetime.fromisoformat(e.revoked_at) if e.revoked_at else _now())
+        for e in load_inventory(ca_dir)
+        if e.status == "revoked"
+    ]
+    return _write_crl_file(ca_dir, ca_cert, ca_key, revoked)
+
+
+def _write_crl_file(
+    ca_dir: Path,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    revoked: list[tuple[int, dt.datetime]],
+) -> Path:
+    now = _now()
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now - _CLOCK_SKEW)
+        .next_update(now + _CRL_VALIDITY)
+    )
+    for serial, when in revoked:
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build()
+        )
+    crl = builder.sign(ca_key, hashes.SHA256())
+    path = ca_dir / CRL
+    _write_atomic(path, crl.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def load_crl(ca_dir: Path) -> x509.CertificateRevocationList:
+    """Load ``crl.pem`` and check it is signed by the CA in the same directory."""
+    ca_dir = Path(ca_dir)
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
+    crl = x509.load_pem_x509_crl((ca_dir / CRL).read_bytes())
+    try:
+        valid = crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]
+    except InvalidSignature:
+        valid = False
+    if not valid:
+        raise PkiError(f"{ca_dir / CRL} is not signed by {ca_dir / CA_CERT}")
+    return crl
+
+
+# --------------------------------------------------------------------------------------------------------------
+# certificate helpers
+
+
+def _load_cert(cert_pem: bytes) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as e:
+        raise PkiError(f"not a PEM certificate: {e}") from e
+
+
+def cert_common_name(cert_pem: bytes) -> str:
+    """The subject CN of a PEM certificate (for a silo certificate: the silo id)."""
+    attrs = _load_cert(cert_pem).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not attrs:
+        raise PkiError("certificate has no common name")
+    value = attrs[0].value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def cert_days_left(cert_pem: bytes, now: dt.datetime | None = None) -> float:
+    """Days until the certificate expires (negative once expired). ``now`` defaults to the current UTC time."""
+    now = now or _now()
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=dt.UTC)  # naive datetimes are taken as UTC, like the certificate's times
+    return (_load_cert(cert_pem).not_valid_after_utc - now).total_seconds() / 86400.0

@@ -1,0 +1,173 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("client_version", "num_unlabeled", "num_labeled", "capabilities", "device", "skipped_images")
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNLABELED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELED_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    client_version: str
+    num_unlabeled: int
+    num_labeled: int
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    device: str
+    skipped_images: int
+    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ...) -> None: ...
+
+class RunDescription(_message.Message):
+    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    IN_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_STD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    algorithm: str
+    model: str
+    num_classes: int
+    in_channels: int
+    image_size: int
+    total_rounds: int
+    algorithm_options_json: str
+    normalize_mean: _containers.RepeatedScalarFieldContainer[float]
+    normalize_std: _containers.RepeatedScalarFieldContainer[float]
+    model_options_json: str
+    max_upload_bytes: int
+    chunk_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("silo_id", "run")
+    SILO_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    silo_id: str
+    run: RunDescription
+    def __init__(self, silo_id: _Optional[str] = ..., run: _Optional[_Union[RunDescription, _Mapping]] = ...) -> None: ...
+
+class NextTaskRequest(_message.Message):
+    __slots__ = ("run_id", "last_round_done")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_DONE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    last_round_done: int
+    def __init__(self, run_id: _Optional[str] = ..., last_round_done: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Task.Kind]
+        WAIT: _ClassVar[Task.Kind]
+        TRAIN: _ClassVar[Task.Kind]
+        DONE: _ClassVar[Task.Kind]
+    KIND_UNSPECIFIED: Task.Kind
+    WAIT: Task.Kind
+    TRAIN: Task.Kind
+    DONE: Task.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CLASS_THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: Task.Kind
+    run_id: str
+    round: int
+    task_id: str
+    bundle_bytes: int
+    bundle_sha256: str
+    hyperparameters_json: str
+    class_thresholds: _containers.RepeatedScalarFieldContainer[float]
+    expected: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    retry_after_s: float
+    message: str
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("run_id", "task_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    task_id: str
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadHeader(_message.Message):
+    __slots__ = ("run_id", "task_id", "round", "total_bytes", "sha256", "skipped", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    task_id: str
+    round: int
+    total_bytes: int
+    sha256: str
+    skipped: bool
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class UploadMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadHeader
+    chunk: Chunk
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,31 @@
+"""Registry of algorithms: name -> (options model, hub half, silo half or None for hub-only algorithms)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from silo_core.algorithms.base import HubAlgorithm, SiloAlgorithm
+from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
+from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    options: type[BaseModel]
+    hub: type[HubAlgorithm]
+    silo: type[SiloAlgorithm] | None
+
+
+ALGORITHMS: dict[str, AlgorithmEntry] = {
+    "semifl": AlgorithmEntry(SemiFLOptions, SemiFLHub, SemiFLSilo),
+    "server-only": AlgorithmEntry(ServerOnlyOptions, ServerOnlyHub, None),
+}
+
+
+def get_algorithm(name: str) -> AlgorithmEntry:
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None

@@ -1,0 +1,240 @@
+"""SemiFL: semi-supervised federated learning with alternate training (Diao, Ding, Tarokh, NeurIPS 2022).
+
+Algorithm 1, as this file runs it:
+
+    hub:   W <- ServerUpdate(x_s, y_s, W); update sBN statistics                    (init_state)
+    for t = 1..T:
+        hub sends W (with its sBN statistics) to the sampled silos                   (begin_round)
+        silo m: y_u = argmax f(a(x_u); W), keep max-prob >= tau  (D_fix)             (SemiFLSilo.local_update)
+                if D_fix is empty: send nothing
+                D_mix = |D_fix| draws with replacement from all pseudo-labeled images
+                E epochs of L_fix + lambda * L_mix on (D_fix, D_mix) batches
+                send (W_m - W) * w_m and w_m   (w_m = 1: uniform averaging)
+        hub:   mean delta = sum / sum of weights; global momentum step                (finish_round)
+               W <- ServerUpdate(x_s, y_s, W); update sBN statistics
+    (the ServerUpdate after round T is the paper's final fine-tune)
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn import functional as F
+
+from silo_core.algorithms.base import (
+    HubAlgorithm,
+    HubState,
+    RoundPlan,
+    SiloAlgorithm,
+    SiloData,
+    SiloResult,
+    load_model,
+    model_tensors,
+)
+from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.tensors import TensorSpec
+from silo_core.training import (
+    OptimizerSettings,
+    cosine_lr,
+    hub_update,
+    make_sgd,
+    predict_logits,
+    seeded_generator,
+    sgd_step,
+    shuffled_batches,
+)
+
+
+class SemiFLOptions(BaseModel):
+    """Every SemiFL knob; defaults are the paper's (see shared papers notes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tau: float = Field(0.95, gt=0.0, le=1.0, description="confidence threshold for pseudo-labels")
+    hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
+    local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
+    hub_batch_size: int | None = Field(None, ge=2, description="B_s; default 10 for <=1000 labels, else 250")
+    silo_batch_size: int = Field(10, ge=2, description="B_m")
+    lr: float = Field(0.03, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    nesterov: bool = True
+    grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip; 0 disables")
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    mix_weight: float = Field(1.0, ge=0.0, description="lambda: weight of L_mix")
+    mix_alpha: float = Field(0.75, gt=0.0, description="a: Mixup Beta(a, a)")
+    global_momentum: float = Field(0.5, ge=0.0, lt=1.0, description="hub SGD momentum on the pseudo-gradient")
+    global_lr: float = Field(1.0, gt=0.0)
+    aggregation: Literal["uniform", "samples"] = Field(
+        "uniform", description="uniform mean of silo models (paper) or weighted by pseudo-labeled count"
+    )
+    sbn: Literal["hub"] = Field("hub", description="static BN statistics from hub data (paper Table 3)")
+    flip: bool = Field(True, description="horizontal flips in augmentation (off for digits/text)")
+    randaugment_ops: int = Field(2, ge=0)
+    randaugment_magnitude: int = Field(10, ge=0, le=30)
+    cutout: float = Field(0.5, ge=0.0, le=1.0, description="Cutout side as a fraction of the image side")
+
+    def optimizer(self) -> OptimizerSettings:
+        return OptimizerSettings(self.lr, self.momentum, self.weight_decay, self.nesterov, self.grad_clip)
+
+    def hub_batch(self, num_labeled: int) -> int:
+        return self.hub_batch_size or (10 if num_labeled <= 1000 else 250)
+
+
+def _param_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()]
+
+
+class SemiFLHub(HubAlgorithm):
+    name = "semifl"
+    options: SemiFLOptions
+
+    def _server_update(self, model: nn.Module, round_number: int) -> float:
+        o, spec = self.options, self.model_spec
+        return hub_update(
+            model,
+            self.data.labeled_images,
+            self.data.labeled_labels,
+            epochs=o.hub_epochs,
+            batch_size=o.hub_batch(len(self.data.labeled_labels)),
+            lr=cosine_lr(o.lr, round_number, self.total_rounds, o.lr_schedule),
+            opt=o.optimizer(),
+            mean=spec.mean,
+            std=spec.std,
+            device=self.device,
+            generator=seeded_generator(self.seed, round_number, 1),
+            flip=o.flip,
+        )
+
+    def init_state(self) -> HubState:
+        torch.manual_seed(self.seed)
+        model = self.model_spec.build()
+        loss = self._server_update(model, round_number=1)
+        momentum = {f"momentum/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
+        return HubState(round=0, tensors={**model_tensors(model), **momentum}, meta={"hub_loss": loss})
+
+    def begin_round(self, state: HubState) -> RoundPlan:
+        r = state.round + 1
+        o = self.options
+        model_part = {k: v for k, v in state.tensors.items() if k.startswith("model/")}
+        names = _param_names(load_model(self.model_spec, state.tensors))
+        expected = {f"delta/{n}": TensorSpec.of(state.tensors[f"model/{n}"]) for n in names}
+        expected["weight"] = TensorSpec((1,), "float32")
+        return RoundPlan(
+            round=r,
+            tensors=model_part,
+            hyperparameters={"lr": cosine_lr(o.lr, r, self.total_rounds, o.lr_schedule), "seed": self.seed},
+            expected=expected,
+        )
+
+    def finish_round(
+        self, state: HubState, summed: Mapping[str, torch.Tensor], summed_metrics: Mapping[str, float]
+    ) -> tuple[HubState, dict[str, float]]:
+        r = state.round + 1
+        o = self.options
+        model = load_model(self.model_spec, state.tensors)
+        tensors = dict(state.tensors)
+        total_weight = float(summed["weight"].sum()) if "weight" in summed else 0.0
+        if total_weight > 0:
+            # Pseudo-gradient g = W - mean(W_m) = -mean(delta); a persistent SGD(momentum) step at the hub.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    g = -summed[f"delta/{name}"].to(param.dtype) / total_weight
+                    buf = o.global_momentum * tensors[f"momentum/{name}"] + g
+                    tensors[f"momentum/{name}"] = buf
+                    param.sub_(o.global_lr * buf)
+        hub_loss = self._server_update(model, round_number=min(r + 1, self.total_rounds))
+        tensors.update(model_tensors(model))
+        metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight}
+        metrics.update(pseudo_label_metrics(summed_metrics))
+        return HubState(round=r, tensors=tensors, meta=dict(state.meta)), metrics
+
+    def served_model(self, state: HubState) -> nn.Module:
+        return load_model(self.model_spec, state.tensors).eval()
+
+
+def pseudo_label_metrics(summed: Mapping[str, float]) -> dict[str, float]:
+    """Ratio of unlabeled images that passed tau, and (simulation only) how many of those were right."""
+    out = {}
+    total, selected = summed.get("pl_total", 0.0), summed.get("pl_selected", 0.0)
+    if total > 0:
+        out["pseudo_label_ratio"] = selected / total
+    if selected > 0 and "pl_correct" in summed:
+        out["pseudo_label_accuracy"] = summed["pl_correct"] / selected
+    return out
+
+
+def select_confident(probs: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hard pseudo-labels and the mask of those whose confidence reaches tau (eq. 3)."""
+    confidence, labels = probs.max(dim=1)
+    return labels, confidence >= tau
+
+
+def mix_loss(logits: torch.Tensor, y_fix: torch.Tensor, y_partner: torch.Tensor, lam: float) -> torch.Tensor:
+    """L_mix = lam * CE(f(x_mix), y_fix) + (1 - lam) * CE(f(x_mix), y_partner) (eq. 5)."""
+    return lam * F.cross_entropy(logits, y_fix) + (1.0 - lam) * F.cross_entropy(logits, y_partner)
+
+
+class SemiFLSilo(SiloAlgorithm):
+    name = "semifl"
+    options: SemiFLOptions
+
+    def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult:
+        o, spec, device = self.options, self.model_spec, self.device
+        gen = seeded_generator(int(plan.hyperparameters.get("seed", 0)), plan.round, zlib.crc32(data.silo_id.encode()))
+        model = load_model(spec, plan.tensors).to(device)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        # (1) Pseudo-label every image once, with the received model on the weak view.
+        probs = predict_logits(model, data.images, spec.mean, spec.std, device, weak=True, flip=o.flip,
+                               generator=gen).softmax(dim=1)
+        pseudo, confident = select_confident(probs, o.tau)
+        n_fix = int(confident.sum())
+        metrics = {"pl_total": float(len(pseudo)), "pl_selected": float(n_fix)}
+        if data.true_labels is not None:
+            metrics["pl_correct"] = float((pseudo[confident] == data.true_labels[confident]).sum())
+        if n_fix < 2:  # nothing (or a single image) passed tau: skip the round and send nothing
+            return SiloResult(tensors={}, metrics=metrics, skipped=True)
+
+        # (2) D_fix and an equal-size D_mix drawn with replacement from all pseudo-labeled images.
+        x_fix, y_fix = data.images[confident], pseudo[confident]
+        partner_idx = torch.randint(len(pseudo), (n_fix,), generator=gen)
+        x_partner, y_partner = data.images[partner_idx], pseudo[partner_idx]
+
+        # (3) E local epochs of L_fix + lambda * L_mix.
+        model.train()
+        optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
+        beta = torch.distributions.Beta(o.mix_alpha, o.mix_alpha)
+        total_loss, steps = 0.0, 0
+        for _ in range(o.local_epochs):
+            fix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
+            mix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
+            for fb, mb in zip(fix_batches, mix_batches, strict=False):
+                m = min(len(fb), len(mb))
+                fb, mb = fb[:m], mb[:m]
+                lam = float(beta.sample())
+                strong = strong_augment(x_fix[fb], num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
+                                        cutout=o.cutout, flip=o.flip, generator=gen)
+                weak_fix = to_float(weak_augment(x_fix[fb], flip=o.flip, generator=gen), spec.mean, spec.std)
+                weak_partner = to_float(weak_augment(x_partner[mb], flip=o.flip, generator=gen), spec.mean, spec.std)
+                x_mix = lam * weak_fix + (1.0 - lam) * weak_partner
+                # One forward pass over both views: cheaper, and BN sees a batch of 2m.
+                logits = model(torch.cat([to_float(strong, spec.mean, spec.std), x_mix]).to(device))
+                loss_fix = F.cross_entropy(logits[:m], y_fix[fb].to(device))
+                loss_mix = mix_loss(logits[m:], y_fix[fb].to(device), y_partner[mb].to(device), lam)
+                loss = loss_fix + o.mix_weight * loss_mix
+                sgd_step(model, optimizer, loss, o.grad_clip)
+                total_loss, steps = total_loss + float(loss), steps + 1
+
+        # (4) Send the weighted delta and its weight: the hub only ever needs sums.
+        weight = 1.0 if o.aggregation == "uniform" else float(n_fix)
+        tensors = {f"delta/{n}": (p.detach().cpu() - start[n].cpu()) * weight for n, p in model.named_parameters()}
+        tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
+        metrics["train_loss"] = total_loss / max(steps, 1)
+        metrics["train_steps"] = float(steps)
+        return SiloResult(tensors=tensors, metrics=metrics)

@@ -1,0 +1,120 @@
+"""Models with static batch norm (sBN, SemiFL Appendix B).
+
+Every BatchNorm here normalises with the batch's own statistics while training and keeps no useful running
+estimate of its own; the global statistics used for inference and pseudo-labelling are computed explicitly by
+`silo_core.sbn` (hub data) and travel with the model as the BN buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def static_bn2d(channels: int) -> nn.BatchNorm2d:
+    # momentum=None: cumulative average, so a stats pass over data gives their mean, not a decayed estimate.
+    return nn.BatchNorm2d(channels, momentum=None, track_running_stats=True)
+
+
+class SmallCNN(nn.Module):
+    """A compact CNN for 28x28 (or 32x32) images: two conv blocks, global pooling, a linear head."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), static_bn2d(cout), nn.ReLU(inplace=True)]
+
+        self.features = nn.Sequential(
+            *block(in_channels, width),
+            *block(width, width),
+            nn.MaxPool2d(2),
+            *block(width, 2 * width),
+            *block(2 * width, 2 * width),
+            nn.MaxPool2d(2),
+            *block(2 * width, 4 * width),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.classifier = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class _WideBasic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.bn1 = static_bn2d(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = static_bn2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
+        self.shortcut = None
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Conv2d(cin, cout, 1, stride=stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(x))
+        skip = x if self.shortcut is None else self.shortcut(out)
+        out = self.conv1(out)
+        out = self.conv2(torch.relu(self.bn2(out)))
+        return out + skip
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-k (Zagoruyko & Komodakis); WRN-28-2 has about 1.47M parameters, the SemiFL paper's model."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, depth: int = 28, widen: int = 2):
+        super().__init__()
+        if (depth - 4) % 6 != 0:
+            raise ValueError(f"WideResNet depth must be 6n+4, got {depth}")
+        n = (depth - 4) // 6
+        widths = [16, 16 * widen, 32 * widen, 64 * widen]
+        self.conv = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
+        layers: list[nn.Module] = []
+        cin = widths[0]
+        for stage, cout in enumerate(widths[1:]):
+            for i in range(n):
+                layers.append(_WideBasic(cin, cout, stride=(2 if stage > 0 and i == 0 else 1)))
+                cin = cout
+        self.blocks = nn.Sequential(*layers)
+        self.bn = static_bn2d(cin)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn(self.blocks(self.conv(x))))
+        out = torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1)
+        return self.fc(out)
+
+
+MODELS = ("small_cnn", "wrn28_2")
+
+
+@dataclass
+class ModelSpec:
+    """Everything both sides need to build the same network and feed it the same way."""
+
+    name: str = "small_cnn"
+    num_classes: int = 10
+    in_channels: int = 1
+    image_size: int = 28
+    mean: list[float] = field(default_factory=lambda: [0.5])
+    std: list[float] = field(default_factory=lambda: [0.5])
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> nn.Module:
+        if self.name == "small_cnn":
+            return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 32)))
+        if self.name == "wrn28_2":
+            return WideResNet(self.in_channels, self.num_classes, depth=28, widen=int(self.options.get("widen", 2)))
+        raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

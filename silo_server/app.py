@@ -1,0 +1,235 @@
+"""Assemble a hub from a validated HubConfig: data, model, algorithm, gRPC server; run it; export the result."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from safetensors.torch import save_file
+
+import silo_core
+from security.tls import server_credentials
+from silo.v1 import silo_pb2_grpc
+from silo_core.algorithms import get_algorithm
+from silo_core.algorithms.base import HubData, HubState
+from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchvision
+from silo_core.models import ModelSpec, count_parameters
+from silo_core.partition import split_labeled_per_class
+from silo_core.tensors import sha256_hex
+from silo_core.training import evaluate, resolve_device
+from silo_server.checkpoint import write_json_atomic
+from silo_server.config import DataSource, HubConfig
+from silo_server.hub import Hub
+from silo_server.servicer import FederationServicer
+
+log = logging.getLogger("silo_server")
+
+
+def load_source(src: DataSource, image_size: int, channels: int) -> ImageSet:
+    if src.kind == "imagefolder":
+        images = load_labeled_folder(src.path, image_size, channels)
+    elif src.kind == "torchvision":
+        images = load_torchvision(src.name, src.root, src.split == "train", image_size, channels)
+    else:
+        images = load_demo(src.split)
+        if images.images.shape[-1] != image_size or images.images.shape[1] != channels:
+            raise ValueError("the bundled demo data is 28x28 grayscale: set model.image_size 28 and in_channels 1")
+    if images.skipped:
+        log.warning("%d unreadable images skipped in %s (first: %s)", len(images.skipped),
+                    src.path or src.name or "demo", images.skipped[0])
+    if src.labels_per_class is not None:
+        idx, _ = split_labeled_per_class(images.labels.numpy(), src.labels_per_class, src.seed)
+        images = images.subset(np.sort(idx))
+    return images
+
+
+def model_spec_from(config: HubConfig, num_classes: int) -> ModelSpec:
+    m = config.model
+    return ModelSpec(
+        name=m.name, num_classes=num_classes, in_channels=m.in_channels, image_size=m.image_size,
+        mean=m.mean or [0.5] * m.in_channels, std=m.std or [0.5] * m.in_channels, options=dict(m.options),
+    )
+
+
+class HubApp:
+    """A configured hub, ready to serve. Tests and silo-sim drive it in-process too."""
+
+    def __init__(self, config: HubConfig):
+        self.config = config
+        if config.run.threads:
+            torch.set_num_threads(config.run.threads)
+        self.device = resolve_device(config.run.device)
+        m = config.model
+        self.labeled = load_source(config.data.labeled, m.image_size, m.in_channels)
+        if self.labeled.labels is None or len(self.labeled) < 2:
+            raise ValueError("data.labeled must hold labeled images (at least 2)")
+        self.test = load_source(config.data.test, m.image_size, m.in_channels) if config.data.test else None
+        validation = (load_source(config.data.validation, m.image_size, m.in_channels)
+                      if config.data.validation else None)
+        self.spec = model_spec_from(config, len(self.labeled.classes))
+        entry = get_algorithm(config.algorithm.name)
+        self.options = config.algorithm.parsed_options()
+        hub_data = HubData(
+            self.labeled.images, self.labeled.labels,
+            validation.images if validation else None, validation.labels if validation else None,
+        )
+        self.algorithm = entry.hub(self.options, self.spec, hub_data, self.device, config.run.seed,
+                                   config.rounds.total)
+        r = config.rounds
+        self.hub = Hub(
+            self.algorithm,
+            state_dir=config.run.state_dir,
+            total_rounds=r.total,
+            run_description=self.run_description(),
+            silos_per_round=r.silos_per_round,
+            min_silos=r.min_silos,
+            quorum=r.quorum,
+            deadline_s=r.deadline_s,
+            max_attempts=r.max_attempts,
+            liveness_s=r.liveness_s,
+            max_upload_bytes=config.wire.max_upload_bytes,
+            half_precision=config.wire.half_precision,
+            evaluate=self.evaluate if self.test is not None else None,
+            seed=config.run.seed,
+        )
+        self.server: grpc.Server | None = None
+        self.port: int | None = None
+
+    def run_description(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "algorithm": c.algorithm.name,
+            "algorithm_options": self.options.model_dump(mode="json"),
+            "model": self.spec.name,
+            "model_options": self.spec.options,
+            "num_classes": self.spec.num_classes,
+            "in_channels": self.spec.in_channels,
+            "image_size": self.spec.image_size,
+            "mean": self.spec.mean,
+            "std": self.spec.std,
+            "max_upload_bytes": c.wire.max_upload_bytes,
+            "chunk_bytes": c.wire.chunk_bytes,
+        }
+
+    def evaluate(self, state: HubState) -> dict[str, float]:
+        model = self.algorithm.served_model(state)
+        return evaluate(model, self.test.images, self.test.labels, self.spec.mean, self.spec.std, self.device)
+
+    # -------------------------------------------------------------- serving
+    def start_server(self) -> int:
+        s = self.config.server
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.max_receive_message_length", self.config.wire.chunk_bytes + (64 << 10)),
+                ("grpc.max_send_message_length", self.config.wire.chunk_bytes + (64 << 10)),
+            ],
+            maximum_concurrent_rpcs=s.max_workers,
+        )
+        silo_pb2_grpc.add_FederationServicer_to_server(
+            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes), self.server
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        creds = server_credentials(s.certs)
+        address = f"{s.host}:{s.port}"
+        try:
+            self.port = self.server.add_secure_port(address, creds)
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise OSError(f"cannot listen on {address}: the port is in use or the address is not local; "
+                          f"set server.port in the config to a free port")
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("silo.v1.Federation", health_pb2.HealthCheckResponse.SERVING)
+        (Path(self.config.run.state_dir) / "port").write_text(str(self.port))
+        log.info("hub listening on %s:%d (mutual TLS, certificates from %s)", s.host, self.port, s.certs)
+        return self.port
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.hub.stop()
+        if self.server is not None:
+            self.server.stop(grace)
+
+    def run(self) -> HubState:
+        """Serve, run every round, export the model, linger so silos hear that the run is over, stop."""
+        if self.server is None:
+            self.start_server()
+
+        def on_signal(signum, frame):
+            log.warning("signal %d: stopping after saving state (the last checkpoint is kept)", signum)
+            self.hub.stop()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_signal)
+        try:
+            state = self.hub.run()
+            if self.hub.stop_event.is_set():
+                return state
+            self.export(state)
+            self.done_at = time.time()
+            linger_until = time.time() + self.config.server.linger_s
+            while time.time() < linger_until and not self.hub.stop_event.is_set():
+                if not self._silos_still_waiting():
+                    break
+                time.sleep(0.2)
+            return state
+        finally:
+            self.stop()
+
+    def _silos_still_waiting(self) -> bool:
+        # After the final round, silos learn DONE on their next poll; wait until each live one has polled since.
+        recent = [r for r in self.hub.silos.values() if time.time() - r.last_seen < self.config.rounds.liveness_s]
+        return any(r.last_seen < self.done_at for r in recent)
+
+    # -------------------------------------------------------------- the result
+    def export(self, state: HubState) -> Path:
+        out = Path(self.config.run.state_dir)
+        model = self.algorithm.served_model(state)
+        weights = out / "model.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(weights))
+        final = self.hub.history[-1] if self.hub.history else {}
+        card = {
+            "format": "silokit model card v1",
+            "created": dt.datetime.now(dt.UTC).isoformat(),
+            "silokit_version": getattr(silo_core, "__version__", "0.1.0"),
+            "run_id": self.hub.run_id,
+            "run_name": self.config.run.name,
+            "algorithm": self.config.algorithm.name,
+            "algorithm_options": self.options.model_dump(mode="json"),
+            "model": {
+                "name": self.spec.name, "options": self.spec.options, "num_classes": self.spec.num_classes,
+                "in_channels": self.spec.in_channels, "image_size": self.spec.image_size,
+                "normalize_mean": self.spec.mean, "normalize_std": self.spec.std,
+                "parameters": count_parameters(model),
+            },
+            "classes": self.labeled.classes,
+            "rounds": state.round,
+            "hub_labeled_images": len(self.labeled),
+            "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled}
+                      for s, r in sorted(self.hub.silos.items())},
+            "final_metrics": {k: v for k, v in final.items() if k.startswith("test_")},
+            "weights_file": weights.name,
+            "weights_sha256": sha256_hex(weights.read_bytes()),
+            "inference": "load with safetensors, build the named model, load_state_dict, call .eval(); inputs are "
+                         "images scaled to [0,1] then normalised with normalize_mean/std",
+        }
+        write_json_atomic(out / "model_card.json", card)
+        log.info("final model written to %s (card: %s)", weights, out / "model_card.json")
+        return weights
+
+
+def describe(config: HubConfig) -> str:
+    return json.dumps(config.model_dump(mode="json"), indent=2)

@@ -1,0 +1,62 @@
+"""silo-server --config hub.yaml: run the hub of a federation."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from silo_server.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="silo-server", description="Run the hub of a silokit federation.")
+    p.add_argument("--config", required=True, help="path to hub.yaml (see examples/hub.yaml)")
+    p.add_argument("--port", type=int, help="override server.port (0 picks a free port)")
+    p.add_argument("--check", action="store_true", help="validate the config and data, print the plan, exit")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logs and full tracebacks on errors")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = load_config(args.config)
+        if args.port is not None:
+            config.server.port = args.port
+        from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
+
+        app = HubApp(config)
+        if args.check:
+            print(f"config OK: {len(app.labeled)} labeled images in {len(app.labeled.classes)} classes, "
+                  f"algorithm {config.algorithm.name}, {config.rounds.total} rounds, model {app.spec.name}")
+            return 0
+        state = app.run()
+        last = app.hub.history[-1] if app.hub.history else {}
+        print(f"run finished after {state.round} rounds; test accuracy {last.get('test_accuracy', float('nan')):.4f}; "
+              f"model in {config.run.state_dir}/model.safetensors")
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted; the last checkpoint is kept and the next start resumes from it", file=sys.stderr)
+        return 130
+    except (ConfigError, ValueError, OSError, RuntimeError) as err:
+        if args.verbose:
+            raise
+        first = str(err).strip().splitlines() or [type(err).__name__]
+        print(f"error: {first[0]}", file=sys.stderr)
+        for line in first[1:]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except Exception as err:  # anything unexpected still gets one line unless --verbose
+        if args.verbose:
+            raise
+        print(f"error: {type(err).__name__}: {err} (run with --verbose for details)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""hub.yaml: read with yaml.safe_load into pydantic models that refuse unknown keys and name the bad one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from silo_core.algorithms import ALGORITHMS, get_algorithm
+from silo_core.models import MODELS
+
+
+class ConfigError(ValueError):
+    """A config file problem, phrased for the operator: which file, which key, what to do."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSource(_Strict):
+    """Where a set of images comes from."""
+
+    kind: Literal["imagefolder", "torchvision", "demo"] = Field(
+        description="imagefolder: one sub-folder per class; torchvision: local dataset files; demo: bundled set"
+    )
+    path: Path | None = Field(None, description="imagefolder: the folder")
+    name: str | None = Field(None, description="torchvision: dataset name, e.g. FashionMNIST")
+    root: Path | None = Field(None, description="torchvision: folder holding <name>/raw (never downloads)")
+    split: Literal["train", "test"] = "train"
+    labels_per_class: int | None = Field(None, ge=1, description="keep a stratified subset of this many per class")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _needs(self) -> DataSource:
+        if self.kind == "imagefolder" and self.path is None:
+            raise ValueError("kind 'imagefolder' needs 'path'")
+        if self.kind == "torchvision" and (self.name is None or self.root is None):
+            raise ValueError("kind 'torchvision' needs 'name' and 'root'")
+        return self
+
+
+class RunSection(_Strict):
+    name: str = "silokit"
+    seed: int = 0
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
+    state_dir: Path = Field(Path("hub-state"), description="checkpoints, history, final model")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads for the hub (default: torch's)")
+
+
+class ServerSection(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port (written to state_dir/port)")
+    certs: Path = Field(Path("certs/hub"), description="bundle from `silo-certs issue-hub`: ca.pem cert.pem key.pem")
+    long_poll_s: float = Field(10.0, gt=0, le=300)
+    max_workers: int = Field(256, ge=8, description="gRPC threads; each waiting silo holds one")
+    linger_s: float = Field(15.0, ge=0, description="keep serving this long after the run so silos learn it ended")
+
+
+class DataSection(_Strict):
+    labeled: DataSource
+    test: DataSource | None = None
+    validation: DataSource | None = None
+
+
+class ModelSection(_Strict):
+    name: str = "small_cnn"
+    image_size: int = Field(28, ge=8, le=512)
+    in_channels: Literal[1, 3] = 1
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known(self) -> ModelSection:
+        if self.name not in MODELS:
+            raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
+        for key in ("mean", "std"):
+            value = getattr(self, key)
+            if value is not None and len(value) != self.in_channels:
+                raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
+        return self
+
+
+class AlgorithmSection(_Strict):
+    name: str = "semifl"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known(self) -> AlgorithmSection:
+        entry = ALGORITHMS.get(self.name)
+        if entry is None:
+            raise ValueError(f"unknown algorithm {self.name!r}; choose one of {', '.join(ALGORITHMS)}")
+        entry.options.model_validate(self.options)  # raises with the bad option's name
+        return self
+
+    def parsed_options(self) -> BaseModel:
+        return get_algorithm(self.name).options.model_validate(self.options)
+
+
+class RoundsSection(_Strict):
+    total: int = Field(10, ge=1)
+    silos_per_round: float = Field(
+        1.0, gt=0, description="a fraction of connected silos if <= 1.0, else a count (e.g. 10)"
+    )
+    min_silos: int = Field(1, ge=1, description="wait for this many connected silos before a round starts")
+    quorum: float = Field(
+        0.5, gt=0, description="reports needed: a fraction of sampled silos if <= 1.0, else a count"
+    )
+    deadline_s: float = Field(600.0, gt=0, description="a round's time limit; late silos are left out")
+    max_attempts: int = Field(5, ge=1, description="a round below quorum is retried this many times, then the hub stops")
+    liveness_s: float = Field(60.0, gt=0, description="a silo unheard of for longer is not sampled")
+
+
+class WireSection(_Strict):
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    max_upload_bytes: int = Field(512 << 20, ge=1024)
+    half_precision: bool = Field(False, description="send the model as float16 (halves bytes down)")
+
+
+class HubConfig(_Strict):
+    run: RunSection = Field(default_factory=RunSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    data: DataSection
+    model: ModelSection = Field(default_factory=ModelSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    rounds: RoundsSection = Field(default_factory=RoundsSection)
+    wire: WireSection = Field(default_factory=WireSection)
+
+
+def _resolve_paths(node: Any, base: Path) -> None:
+    """Make relative paths relative to the config file, not to wherever the hub was started."""
+    if isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            value = getattr(node, name)
+            if isinstance(value, Path) and not value.is_absolute():
+                setattr(node, name, (base / value).resolve())
+            else:
+                _resolve_paths(value, base)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{key}' (check the spelling; see the config reference in README.md)")
+        elif e["type"] == "missing":
+            lines.append(f"{source}: missing required key '{key}'")
+        else:
+            lines.append(f"{source}: bad value for '{key}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(raw: Any, source: str = "hub.yaml", base: Path | None = None) -> HubConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections (run, server, data, ...), got {type(raw).__name__}")
+    try:
+        config = HubConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+    if base is not None:
+        _resolve_paths(config, base)
+    return config
+
+
+def load_config(path: Path) -> HubConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass --config with the path to your hub.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(raw, source=str(path), base=path.parent.resolve())

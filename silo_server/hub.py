@@ -1,0 +1,411 @@
+"""The hub: round loop, silo registry, task hand-out, upload validation and streaming aggregation.
+
+Plain Python, no gRPC: the servicer (silo_server/servicer.py) is a thin shell that passes the caller's verified
+certificate identity and the message in, and maps a Refusal to a gRPC status. Tests drive this class directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, check_tensors, decode, encode, sha256_hex
+from silo_server.aggregate import RunningSum
+from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
+
+log = logging.getLogger("silo_server")
+
+PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "failed")
+
+
+class Refusal(Exception):
+    """A request the hub will not act on. `code` is a gRPC status name; `reason` a low-cardinality label."""
+
+    def __init__(self, code: str, reason: str, message: str):
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+@dataclass
+class SiloRecord:
+    silo_id: str
+    num_unlabeled: int = 0
+    num_labeled: int = 0
+    device: str = ""
+    skipped_images: int = 0
+    joined_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    rounds_contributed: int = 0
+
+
+@dataclass
+class ActiveTask:
+    round: int
+    attempt: int
+    task_id: str
+    plan: RoundPlan
+    bundle: bytes
+    bundle_sha256: str
+    hyperparameters_json: str
+    sampled: set[str]
+    deadline: float
+    started: float = field(default_factory=time.time)
+    reported: set[str] = field(default_factory=set)
+    skipped: set[str] = field(default_factory=set)
+    downloaded: set[str] = field(default_factory=set)
+    sums: RunningSum = field(default_factory=RunningSum)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    open: bool = True
+
+
+@dataclass
+class TaskView:
+    """What NextTask answers, transport-neutral."""
+
+    kind: str  # "WAIT" | "TRAIN" | "DONE"
+    round: int = 0
+    task_id: str = ""
+    bundle_bytes: int = 0
+    bundle_sha256: str = ""
+    hyperparameters_json: str = "{}"
+    class_thresholds: list[float] = field(default_factory=list)
+    expected: dict[str, TensorSpec] = field(default_factory=dict)
+    retry_after_s: float = 1.0
+    message: str = ""
+
+
+class Hub:
+    def __init__(
+        self,
+        algorithm: HubAlgorithm,
+        *,
+        state_dir: Path,
+        total_rounds: int,
+        run_description: dict[str, Any],
+        silos_per_round: float = 1.0,
+        min_silos: int = 1,
+        quorum: float = 0.5,
+        deadline_s: float = 600.0,
+        max_attempts: int = 5,
+        liveness_s: float = 60.0,
+        max_upload_bytes: int = 512 << 20,
+        half_precision: bool = False,
+        evaluate: Callable[[HubState], dict[str, float]] | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        seed: int = 0,
+    ):
+        self.algorithm = algorithm
+        self.state_dir = Path(state_dir)
+        self.total_rounds = total_rounds
+        self.silos_per_round = silos_per_round
+        self.min_silos = min_silos
+        self.quorum = quorum
+        self.deadline_s = deadline_s
+        self.max_attempts = max_attempts
+        self.liveness_s = liveness_s
+        self.max_upload_bytes = max_upload_bytes
+        self.half_precision = half_precision
+        self.evaluate = evaluate
+        self.on_round = on_round
+        self.seed = seed
+
+        self.cond = threading.Condition()
+        self.silos: dict[str, SiloRecord] = {}
+        self.task: ActiveTask | None = None
+        self.phase = "starting"
+        self.round = 0
+        self.history: list[dict[str, Any]] = []
+        self.refusals: dict[str, int] = {}
+        self.stop_event = threading.Event()
+        self.state: HubState | None = None
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = self._load_or_make_run_id()
+        self.run_description = {**run_description, "run_id": self.run_id, "total_rounds": total_rounds}
+
+    # ------------------------------------------------------------------ identity of the run
+    def _load_or_make_run_id(self) -> str:
+        path = self.state_dir / "run.json"
+        if path.is_file():
+            return json.loads(path.read_text())["run_id"]
+        run_id = uuid.uuid4().hex
+        write_json_atomic(path, {"run_id": run_id, "created": time.time()})
+        return run_id
+
+    # ------------------------------------------------------------------ calls from silos
+    def refuse(self, silo_id: str | None, code: str, reason: str, message: str) -> Refusal:
+        with self.cond:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        log.warning("refused %s from %s: %s", reason, silo_id or "?", message)
+        return Refusal(code, reason, message)
+
+    def _touch(self, silo_id: str) -> SiloRecord:
+        record = self.silos.get(silo_id)
+        if record is None:
+            raise self.refuse(silo_id, "FAILED_PRECONDITION", "not_joined", "silo has not joined this run; call Join")
+        record.last_seen = time.time()
+        return record
+
+    def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0
+             ) -> dict[str, Any]:
+        with self.cond:
+            record = self.silos.get(silo_id) or SiloRecord(silo_id)
+            record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
+            record.device, record.skipped_images = device, skipped_images
+            record.last_seen = time.time()
+            self.silos[silo_id] = record
+            self.cond.notify_all()
+        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s)", silo_id, num_unlabeled,
+                 num_labeled, device)
+        return self.run_description
+
+    def _check_run(self, silo_id: str, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise self.refuse(silo_id, "FAILED_PRECONDITION", "wrong_run",
+                              f"run {run_id or '(none)'} is not this hub's run; call Join again")
+
+    def next_task(self, silo_id: str, run_id: str, wait_s: float) -> TaskView:
+        end = time.time() + wait_s
+        with self.cond:
+            self._check_run(silo_id, run_id)
+            self._touch(silo_id)
+            while True:
+                view = self._task_for(silo_id)
+                remaining = end - time.time()
+                if view.kind != "WAIT" or remaining <= 0 or self.stop_event.is_set():
+                    self._touch(silo_id)
+                    return view
+                self.cond.wait(timeout=min(remaining, 1.0))
+
+    def _task_for(self, silo_id: str) -> TaskView:
+        if self.phase in ("done", "failed"):
+            return TaskView("DONE", message=f"run {self.phase}")
+        t = self.task
+        if t and t.open and silo_id in t.sampled and silo_id not in t.reported:
+            return TaskView(
+                "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
+                hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
+                expected=t.plan.expected,
+            )
+        return TaskView("WAIT", retry_after_s=0.5, message=f"phase {self.phase}, round {self.round}")
+
+    def _task_of(self, silo_id: str, task_id: str) -> ActiveTask:
+        t = self.task
+        if t is None or t.task_id != task_id or not t.open:
+            raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                              f"task {task_id} is not the current open task (round over or replaced)")
+        if silo_id not in t.sampled:
+            raise self.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
+                              f"silo {silo_id} was not sampled for round {t.round}")
+        return t
+
+    def download(self, silo_id: str, run_id: str, task_id: str) -> bytes:
+        with self.cond:
+            self._check_run(silo_id, run_id)
+            self._touch(silo_id)
+            t = self._task_of(silo_id, task_id)
+            t.downloaded.add(silo_id)
+            t.bytes_down += len(t.bundle)
+            return t.bundle
+
+    def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
+        """Validate a whole result before it touches the round's sums; any fault refuses it and changes nothing."""
+        with self.cond:
+            self._check_run(silo_id, header.get("run_id", ""))
+            self._touch(silo_id)
+            t = self._task_of(silo_id, header.get("task_id", ""))
+            if int(header.get("round", -1)) != t.round:
+                raise self.refuse(silo_id, "FAILED_PRECONDITION", "wrong_round",
+                                  f"upload names round {header.get('round')}, current round is {t.round}")
+            if silo_id in t.reported:
+                raise self.refuse(silo_id, "ALREADY_EXISTS", "duplicate", f"silo {silo_id} already reported round "
+                                  f"{t.round}")
+        metrics = {str(k): float(v) for k, v in dict(header.get("metrics", {})).items()}
+        if not all(map(_finite, metrics.values())):
+            raise self.refuse(silo_id, "INVALID_ARGUMENT", "bad_metrics", "metrics hold NaN or infinite values")
+        skipped = bool(header.get("skipped", False))
+        total = int(header.get("total_bytes", 0))
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            assembler = ChunkAssembler(total, self.max_upload_bytes)
+            for offset, data in chunks:
+                assembler.add(offset, data)
+            payload = assembler.finish(str(header.get("sha256", "")))
+            if not skipped:
+                tensors = decode(payload, self.max_upload_bytes)
+                check_tensors(tensors, t.plan.expected)
+        except CodecError as err:
+            code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
+            raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+        with self.cond:
+            if self.task is not t or not t.open:
+                raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
+            if silo_id in t.reported:
+                raise self.refuse(silo_id, "ALREADY_EXISTS", "duplicate", "duplicate upload")
+            t.sums.add(tensors, metrics)
+            t.reported.add(silo_id)
+            if skipped:
+                t.skipped.add(silo_id)
+            else:
+                self.silos[silo_id].rounds_contributed += 1
+            t.bytes_up += total
+            self.cond.notify_all()
+        log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
+                 len(t.reported), len(t.sampled))
+
+    # ------------------------------------------------------------------ the round loop
+    def live_silos(self) -> list[str]:
+        now = time.time()
+        return sorted(s for s, r in self.silos.items() if now - r.last_seen <= self.liveness_s)
+
+    def _sample_count(self, available: int) -> int:
+        if self.silos_per_round <= 1.0:
+            return max(1, int(self.silos_per_round * available))
+        return min(available, int(self.silos_per_round))
+
+    def _quorum_count(self, sampled: int) -> int:
+        if self.quorum <= 1.0:
+            return max(1, int(-(-self.quorum * sampled // 1)))  # ceil
+        return min(sampled, int(self.quorum))
+
+    def _set_phase(self, phase: str) -> None:
+        with self.cond:
+            self.phase = phase
+            self.cond.notify_all()
+
+    def _wait_for_silos(self) -> list[str]:
+        self._set_phase("waiting_for_silos")
+        last_log = 0.0
+        with self.cond:
+            while not self.stop_event.is_set():
+                live = self.live_silos()
+                if len(live) >= self.min_silos:
+                    return live
+                if time.time() - last_log > 10:
+                    log.info("waiting for silos: %d connected, %d needed to start a round", len(live), self.min_silos)
+                    last_log = time.time()
+                self.cond.wait(timeout=1.0)
+        return []
+
+    def resume_or_init(self) -> HubState:
+        loaded = load_latest(self.state_dir)
+        if loaded is not None:
+            state, info = loaded
+            self.history = info.get("history", [])
+            log.info("resumed from checkpoint after round %d", state.round)
+        else:
+            log.info("no checkpoint in %s: initial hub training", self.state_dir)
+            state = self.algorithm.init_state()
+            self.history = []
+            self._checkpoint(state)
+        self.round = state.round
+        return state
+
+    def _checkpoint(self, state: HubState) -> None:
+        save_checkpoint(self.state_dir, state, {"run_id": self.run_id, "history": self.history})
+        write_json_atomic(self.state_dir / "history.json", {"run_id": self.run_id, "rounds": self.history})
+
+    def run_round(self, state: HubState) -> HubState:
+        r = state.round + 1
+        plan = self.algorithm.begin_round(state)
+        if not self.algorithm.needs_silos:
+            started = time.time()
+            state, metrics = self.algorithm.finish_round(state, {}, {})
+            return self._complete_round(state, metrics, started, None)
+        bundle = encode(plan.tensors, half=self.half_precision)
+        for attempt in range(1, self.max_attempts + 1):
+            live = self._wait_for_silos()
+            if self.stop_event.is_set():
+                raise InterruptedError("hub stopping")
+            rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt)
+            sampled = set(rng.sample(live, self._sample_count(len(live))))
+            task = ActiveTask(
+                round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
+                plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
+                hyperparameters_json=json.dumps(plan.hyperparameters), sampled=sampled,
+                deadline=time.time() + self.deadline_s,
+            )
+            need = self._quorum_count(len(sampled))
+            log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
+            with self.cond:
+                self.task, self.round, self.phase = task, r, "training"
+                self.cond.notify_all()
+                while len(task.reported) < len(sampled) and time.time() < task.deadline:
+                    if self.stop_event.is_set():
+                        raise InterruptedError("hub stopping")
+                    self.cond.wait(timeout=0.5)
+                task.open = False
+                self.phase = "aggregating"
+            if len(task.reported) >= need:
+                summed = task.sums.result()
+                state, metrics = self.algorithm.finish_round(state, summed, task.sums.metrics)
+                return self._complete_round(state, metrics, task.started, task)
+            log.warning("round %d attempt %d: %d of %d sampled silos reported, below quorum %d; retrying the round",
+                        r, attempt, len(task.reported), len(sampled), need)
+            with self.cond:
+                self.task = None
+        raise RuntimeError(f"round {r} failed to reach quorum in {self.max_attempts} attempts; "
+                           f"check that enough silos are connected (rounds.min_silos, rounds.quorum)")
+
+    def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
+                        task: ActiveTask | None) -> HubState:
+        entry: dict[str, Any] = {"round": state.round, **metrics}
+        if self.evaluate is not None:
+            entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
+        entry["round_seconds"] = time.time() - started
+        if task is not None:
+            reporters = len(task.reported)
+            entry.update({
+                "silos_sampled": len(task.sampled),
+                "silos_reported": reporters,
+                "silos_skipped": len(task.skipped),
+                "silos_dropped": len(task.sampled) - reporters,
+                "bytes_up": task.bytes_up,
+                "bytes_down": task.bytes_down,
+                "attempt": task.attempt,
+            })
+            if reporters and "train_loss" in task.sums.metrics and task.sums.contributors:
+                entry["silo_train_loss"] = task.sums.metrics["train_loss"] / task.sums.contributors
+        self.history.append(entry)
+        self._checkpoint(state)
+        with self.cond:
+            self.task = None
+            self.round = state.round
+        log.info("round %d done: %s", state.round, json.dumps({k: _short(v) for k, v in entry.items()}))
+        if self.on_round is not None:
+            self.on_round(entry)
+        return state
+
+    def run(self) -> HubState:
+        """Resume or start, run every remaining round, and return the final state."""
+        state = self.resume_or_init()
+        self.state = state
+        while state.round < self.total_rounds and not self.stop_event.is_set():
+            state = self.run_round(state)
+            self.state = state
+        self._set_phase("done")
+        return state
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        with self.cond:
+            self.cond.notify_all()
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def _short(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v

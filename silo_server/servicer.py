@@ -1,0 +1,117 @@
+"""The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+
+from security.tls import peer_identity
+from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_core.tensors import iter_chunks
+from silo_server.hub import Hub, Refusal
+
+_KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo_pb2.Task.DONE}
+
+
+def run_description_message(desc: dict) -> silo_pb2.RunDescription:
+    return silo_pb2.RunDescription(
+        run_id=desc["run_id"],
+        algorithm=desc["algorithm"],
+        model=desc["model"],
+        num_classes=desc["num_classes"],
+        in_channels=desc["in_channels"],
+        image_size=desc["image_size"],
+        total_rounds=desc["total_rounds"],
+        algorithm_options_json=json.dumps(desc["algorithm_options"]),
+        normalize_mean=desc["mean"],
+        normalize_std=desc["std"],
+        model_options_json=json.dumps(desc.get("model_options", {})),
+        max_upload_bytes=desc["max_upload_bytes"],
+        chunk_bytes=desc["chunk_bytes"],
+    )
+
+
+class FederationServicer(silo_pb2_grpc.FederationServicer):
+    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int):
+        self.hub = hub
+        self.long_poll_s = long_poll_s
+        self.chunk_bytes = chunk_bytes
+
+    def _identity(self, context: grpc.ServicerContext) -> str:
+        silo_id = peer_identity(context)
+        if not silo_id:
+            self.hub.refuse(None, "UNAUTHENTICATED", "no_identity", "no verified client certificate")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate issued by the federation CA is required")
+        return silo_id
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, refusal: Refusal):
+        context.abort(getattr(grpc.StatusCode, refusal.code), refusal.message)
+
+    def Join(self, request, context):
+        silo_id = self._identity(context)
+        try:
+            desc = self.hub.join(silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
+                                 int(request.skipped_images))
+        except Refusal as r:
+            self._abort(context, r)
+        return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
+
+    def NextTask(self, request, context):
+        silo_id = self._identity(context)
+        wait = self.long_poll_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = max(0.0, min(wait, remaining - 1.0))
+        try:
+            view = self.hub.next_task(silo_id, request.run_id, wait)
+        except Refusal as r:
+            self._abort(context, r)
+        return silo_pb2.Task(
+            kind=_KINDS[view.kind],
+            run_id=self.hub.run_id,
+            round=view.round,
+            task_id=view.task_id,
+            bundle_bytes=view.bundle_bytes,
+            bundle_sha256=view.bundle_sha256,
+            hyperparameters_json=view.hyperparameters_json,
+            class_thresholds=view.class_thresholds,
+            expected=[silo_pb2.TensorSpec(name=n, shape=list(s.shape), dtype=s.dtype) for n, s in view.expected.items()],
+            retry_after_s=view.retry_after_s,
+            message=view.message,
+        )
+
+    def Download(self, request, context) -> Iterator[silo_pb2.Chunk]:
+        silo_id = self._identity(context)
+        try:
+            bundle = self.hub.download(silo_id, request.run_id, request.task_id)
+        except Refusal as r:
+            self._abort(context, r)
+        for offset, data in iter_chunks(bundle, self.chunk_bytes):
+            yield silo_pb2.Chunk(offset=offset, data=data)
+
+    def Upload(self, request_iterator, context):
+        silo_id = self._identity(context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            self.hub.refuse(silo_id, "INVALID_ARGUMENT", "no_header", "upload must start with an UploadHeader")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "upload must start with an UploadHeader message")
+        h = first.header
+        header = {
+            "run_id": h.run_id, "task_id": h.task_id, "round": h.round, "total_bytes": h.total_bytes,
+            "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics),
+        }
+
+        def chunks():
+            for message in request_iterator:
+                if message.WhichOneof("part") != "chunk":
+                    raise Refusal("INVALID_ARGUMENT", "bad_stream", "only chunks may follow the upload header")
+                yield message.chunk.offset, message.chunk.data
+
+        try:
+            self.hub.upload(silo_id, header, chunks())
+        except Refusal as r:
+            self._abort(context, r)
+        return silo_pb2.UploadReply(accepted=True, message="accepted")

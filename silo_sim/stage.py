@@ -1,0 +1,125 @@
+"""Stage a whole federation on one machine: real image files on disk, a CA with a certificate per party, hub.yaml.
+
+Layout under root:
+    pki/ca, pki/hub, pki/silos/<silo>      certificates (silo-certs' layout)
+    hub/labeled/<class>/*.png              the hub's labeled images
+    hub/test/<class>/*.png                 the hub's test set
+    silos/<silo>/images/*.png              each silo's unlabeled images
+    silos/<silo>/labels.json               simulation only: true labels, for pseudo-label accuracy
+    hub.yaml                               the hub's config, as an operator would write it
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from security.pki import init_ca, issue_hub, issue_silo
+from silo_core.data import ImageSet, load_demo, save_png_folder
+from silo_core.partition import make_partition, split_labeled_per_class
+
+
+@dataclass
+class SiloSpec:
+    name: str
+    certs: Path
+    data: Path
+    state_dir: Path
+    labels: Path
+    num_images: int
+
+
+@dataclass
+class StagedFederation:
+    root: Path
+    hub_config: Path
+    hub_state_dir: Path
+    ca_dir: Path
+    silos: list[SiloSpec] = field(default_factory=list)
+    hub_labeled: ImageSet | None = None
+    test: ImageSet | None = None
+
+
+def silo_name(i: int) -> str:
+    return f"silo-{i:03d}"
+
+
+def _stratified(images: ImageSet, per_class: int | None, seed: int) -> ImageSet:
+    if per_class is None:
+        return images
+    idx, _ = split_labeled_per_class(images.labels.numpy(), per_class, seed)
+    return images.subset(np.sort(idx))
+
+
+def stage_federation(
+    root: Path,
+    *,
+    num_silos: int,
+    labels_per_class: int,
+    partition: str = "iid",
+    alpha: float = 0.3,
+    classes_per_silo: int = 2,
+    unlabeled_limit: int | None = None,
+    test_per_class: int | None = None,
+    seed: int = 0,
+    hub_config: dict[str, Any] | None = None,
+) -> StagedFederation:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    train, test = load_demo("train"), load_demo("test")
+    test = _stratified(test, test_per_class, seed)
+    labeled_idx, rest_idx = split_labeled_per_class(train.labels.numpy(), labels_per_class, seed)
+    rng = np.random.default_rng(seed)
+    rest_idx = rng.permutation(rest_idx)
+    if unlabeled_limit is not None:
+        rest_idx = rest_idx[:unlabeled_limit]
+    hub_labeled = train.subset(np.sort(labeled_idx))
+    pool = train.subset(rest_idx)
+    parts = make_partition(pool.labels.numpy(), num_silos, partition, seed,
+                           classes_per_silo=classes_per_silo, alpha=alpha)
+
+    ca_dir = root / "pki" / "ca"
+    init_ca(ca_dir)
+    issue_hub(ca_dir, root / "pki" / "hub", dns=["localhost"], ips=["127.0.0.1"])
+    save_png_folder(hub_labeled, root / "hub" / "labeled", labeled=True)
+    save_png_folder(test, root / "hub" / "test", labeled=True)
+
+    staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
+                              ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
+    for i, idx in enumerate(parts, start=1):
+        name = silo_name(i)
+        base = root / "silos" / name
+        shard = pool.subset(np.sort(idx))
+        save_png_folder(shard, base / "images", labeled=False)
+        (base / "labels.json").write_text(json.dumps([int(v) for v in shard.labels]))
+        certs = issue_silo(ca_dir, name, root / "pki" / "silos" / name)
+        staged.silos.append(SiloSpec(name, certs, base / "images", base / "state", base / "labels.json", len(shard)))
+
+    config = {
+        "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
+        "server": {"host": "127.0.0.1", "port": 0, "certs": "pki/hub", "long_poll_s": 5.0, "linger_s": 10.0},
+        "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
+                 "test": {"kind": "imagefolder", "path": "hub/test"}},
+        "model": {"name": "small_cnn", "image_size": 28, "in_channels": 1},
+        "algorithm": {"name": "semifl", "options": {}},
+        "rounds": {"total": 5, "silos_per_round": 1.0, "min_silos": num_silos, "quorum": 0.5},
+    }
+    for section, values in (hub_config or {}).items():
+        if isinstance(values, dict) and isinstance(config.get(section), dict):
+            config[section] = _merge(config[section], values)
+        else:
+            config[section] = values
+    staged.hub_config.write_text(yaml.safe_dump(config, sort_keys=False))
+    return staged
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

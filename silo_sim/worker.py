@@ -1,0 +1,62 @@
+"""A worker process hosting several simulated silos, each with its own certificate, data, state and gRPC channel.
+
+Silos in one worker take turns to train (one lock), so a small pool of workers can host a hundred silos on a
+two-core machine while every silo still speaks to the hub over its own mutual-TLS connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="silo_sim.worker")
+    p.add_argument("--spec", required=True, type=Path)
+    args = p.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    from silo_client.client import SiloClient, SiloSettings
+
+    train_lock, stop = threading.Lock(), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    results: dict[str, int] = {}
+
+    def host(entry: dict) -> None:
+        name = entry["name"]
+        client = None
+        try:
+            client = SiloClient(SiloSettings(
+                hub=spec["hub"], certs=Path(entry["certs"]), data=Path(entry["data"]), device=spec.get("device", "cpu"),
+                state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
+                sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
+            ), train_lock=train_lock, stop_event=stop)
+            results[name] = client.run_forever()
+        except Exception as err:  # one silo's failure must not take the others down
+            logging.getLogger("silo_sim.worker").error("silo %s stopped: %s", name, err)
+            results[name] = 1
+        finally:
+            if client is not None:
+                client.close()
+
+    threads = [threading.Thread(target=host, args=(e,), name=e["name"], daemon=True) for e in spec["silos"]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(timeout=0.5)
+    failed = sorted(n for n, rc in results.items() if rc != 0)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
