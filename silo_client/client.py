@@ -25,7 +25,16 @@ from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_unlabeled_folder
 from silo_core.models import ModelSpec
-from silo_core.tensors import CodecError, TensorSpec, assemble, check_tensors, decode, encode, iter_chunks, sha256_hex
+from silo_core.tensors import (
+    CodecError,
+    TensorSpec,
+    assemble,
+    check_tensors,
+    decode,
+    encode,
+    iter_chunks,
+    sha256_hex,
+)
 from silo_core.training import resolve_device
 
 VERSION = "0.1.0"

@@ -20,9 +20,10 @@ def static_bn2d(channels: int) -> nn.BatchNorm2d:
 
 
 class SmallCNN(nn.Module):
-    """A compact CNN for 28x28 (or 32x32) images: two conv blocks, global pooling, a linear head."""
+    """A compact CNN for 28x28 (or 32x32) images. It pools early because convolutions at full resolution dominate
+    the cost on a CPU: about 3.7M multiply-adds per 28x28 image at width 16."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 32):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 16):
         super().__init__()
 
         def block(cin: int, cout: int) -> list[nn.Module]:
@@ -30,7 +31,6 @@ class SmallCNN(nn.Module):
 
         self.features = nn.Sequential(
             *block(in_channels, width),
-            *block(width, width),
             nn.MaxPool2d(2),
             *block(width, 2 * width),
             *block(2 * width, 2 * width),
@@ -106,7 +106,7 @@ class ModelSpec:
 
     def build(self) -> nn.Module:
         if self.name == "small_cnn":
-            return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 32)))
+            return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 16)))
         if self.name == "wrn28_2":
             return WideResNet(self.in_channels, self.num_classes, depth=28, widen=int(self.options.get("widen", 2)))
         raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")

@@ -89,7 +89,7 @@ def train_supervised(
             x = to_float(weak_augment(images[idx], flip=flip, generator=generator), mean, std).to(device)
             loss = F.cross_entropy(model(x), labels[idx].to(device))
             sgd_step(model, optimizer, loss, opt.grad_clip)
-            total, steps = total + float(loss), steps + 1
+            total, steps = total + loss.item(), steps + 1
     return total / max(steps, 1)
 
 

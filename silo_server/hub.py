@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
-from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, check_tensors, decode, encode, sha256_hex
+from silo_core.tensors import (
+    ChunkAssembler,
+    CodecError,
+    TensorSpec,
+    check_tensors,
+    decode,
+    encode,
+    sha256_hex,
+)
 from silo_server.aggregate import RunningSum
 from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
 

@@ -17,6 +17,7 @@ Algorithm 1, as this file runs it:
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections.abc import Mapping
 from typing import Literal
@@ -55,7 +56,7 @@ class SemiFLOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tau: float = Field(0.95, gt=0.0, le=1.0, description="confidence threshold for pseudo-labels")
+    tau: float = Field(0.95, ge=0.0, le=1.0, description="confidence threshold for pseudo-labels")
     hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
     local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
     hub_batch_size: int | None = Field(None, ge=2, description="B_s; default 10 for <=1000 labels, else 250")
@@ -209,7 +210,7 @@ class SemiFLSilo(SiloAlgorithm):
         # (3) E local epochs of L_fix + lambda * L_mix.
         model.train()
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
-        beta = torch.distributions.Beta(o.mix_alpha, o.mix_alpha)
+        mix_rng = random.Random(int(torch.randint(2**31, (1,), generator=gen)))  # Beta draws, seeded too
         total_loss, steps = 0.0, 0
         for _ in range(o.local_epochs):
             fix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
@@ -217,7 +218,7 @@ class SemiFLSilo(SiloAlgorithm):
             for fb, mb in zip(fix_batches, mix_batches, strict=False):
                 m = min(len(fb), len(mb))
                 fb, mb = fb[:m], mb[:m]
-                lam = float(beta.sample())
+                lam = mix_rng.betavariate(o.mix_alpha, o.mix_alpha)
                 strong = strong_augment(x_fix[fb], num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                         cutout=o.cutout, flip=o.flip, generator=gen)
                 weak_fix = to_float(weak_augment(x_fix[fb], flip=o.flip, generator=gen), spec.mean, spec.std)
@@ -229,7 +230,7 @@ class SemiFLSilo(SiloAlgorithm):
                 loss_mix = mix_loss(logits[m:], y_fix[fb].to(device), y_partner[mb].to(device), lam)
                 loss = loss_fix + o.mix_weight * loss_mix
                 sgd_step(model, optimizer, loss, o.grad_clip)
-                total_loss, steps = total_loss + float(loss), steps + 1
+                total_loss, steps = total_loss + loss.item(), steps + 1
 
         # (4) Send the weighted delta and its weight: the hub only ever needs sums.
         weight = 1.0 if o.aggregation == "uniform" else float(n_fix)

@@ -1,0 +1,370 @@
+"""Image data: folders of image files, torchvision's on-disk datasets, and the bundled demo set.
+
+Everything becomes an ``ImageSet``: a uint8 N x C x H x W tensor at the model's size and channel count, plus
+labels and class names. Files that cannot be decoded are skipped and listed, because one bad file in a silo's
+folder of thousands must not stop a federation. Nothing here downloads, unpickles or trusts file contents
+beyond decoding pixels (torchvision's CIFAR10/SVHN readers are used only after their md5 checks pass).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+DEMO_FILE = "fashion_mnist_demo.npz"
+
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+]
+MNIST_CLASSES = ["0 - zero", "1 - one", "2 - two", "3 - three", "4 - four",
+                 "5 - five", "6 - six", "7 - seven", "8 - eight", "9 - nine"]
+TORCHVISION_DATASETS = ("FashionMNIST", "MNIST", "CIFAR10", "SVHN")
+
+
+class DataError(Exception):
+    """A data problem the user can fix; the message names the path and what to do."""
+
+
+@dataclass
+class ImageSet:
+    images: torch.Tensor  # uint8, N x C x H x W
+    labels: torch.Tensor | None  # int64 [N], None for unlabeled data
+    classes: list[str]  # class names, index = label; [] for unlabeled data
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) of files that were skipped
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.ndim != 4:
+            raise ValueError(f"ImageSet.images must be uint8 N x C x H x W, got {self.images.dtype} "
+                             f"{tuple(self.images.shape)}")
+        if self.labels is not None and tuple(self.labels.shape) != (len(self.images),):
+            raise ValueError(f"ImageSet.labels must have shape [{len(self.images)}], got {tuple(self.labels.shape)}")
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    def subset(self, idx: Sequence[int] | np.ndarray | torch.Tensor) -> ImageSet:
+        """The images at ``idx`` (integer indices in the given order, or a boolean mask)."""
+        if isinstance(idx, torch.Tensor):
+            index = idx if idx.dtype == torch.bool else idx.long()
+        else:
+            arr = np.asarray(idx)
+            index = torch.from_numpy(arr) if arr.dtype == np.bool_ else torch.as_tensor(arr.astype(np.int64))
+        labels = self.labels[index] if self.labels is not None else None
+        return ImageSet(self.images[index], labels, list(self.classes), list(self.skipped))
+
+
+def _check_format(image_size: int, channels: int) -> None:
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels}")
+    if image_size < 1:
+        raise ValueError(f"image_size must be positive, got {image_size}")
+
+
+# --- single files --------------------------------------------------------------------------------------------
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit and float images (common in medical data) scaled to 8 bits; plain convert("L") would clip them."""
+    arr = np.asarray(img, dtype=np.float64)
+    if img.mode.startswith("I;16") or (img.mode == "I" and arr.size and arr.max() > 255):
+        arr = arr / 257.0  # 0..65535 -> 0..255
+    elif img.mode == "F" and arr.size and arr.max() <= 1.0:
+        arr = arr * 255.0  # float images in [0, 1]
+    return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
+
+
+def _decode(path: Path, image_size: int, channels: int) -> np.ndarray:
+    mode = "L" if channels == 1 else "RGB"
+    with Image.open(path) as img:
+        img.draft(mode, (image_size, image_size))  # JPEG only: decode big photos at reduced scale, much faster
+        img.load()
+        img = ImageOps.exif_transpose(img)  # camera photos store their orientation in EXIF
+        if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+            img = _to_8bit(img)
+        if img.mode == "P" and "transparency" in img.info:
+            img = img.convert("RGBA")  # avoids Pillow's palette-transparency warning
+        if img.mode != mode:
+            img = img.convert(mode)
+        if img.size != (image_size, image_size):
+            img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+        arr = np.array(img, dtype=np.uint8)  # a writable copy (Pillow arrays are read-only)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def load_image_file(path: str | os.PathLike[str], image_size: int, channels: int) -> torch.Tensor:
+    """One image file as uint8 C x H x W, converted to ``channels`` and resized to ``image_size``."""
+    _check_format(image_size, channels)
+    try:
+        arr = _decode(Path(path), image_size, channels)
+    except Exception as exc:  # Pillow raises many types on bad files (OSError, ValueError, SyntaxError, ...)
+        raise DataError(f"cannot read image {path}: {type(exc).__name__}: {exc}; replace or delete the file") from exc
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+# --- folders -------------------------------------------------------------------------------------------------
+
+
+def _check_folder(root: str | os.PathLike[str], what: str) -> Path:
+    path = Path(root)
+    if not path.exists():
+        raise DataError(f"{what} folder {path} does not exist; check the path or create it and put the images there")
+    if not path.is_dir():
+        raise DataError(f"{what} path {path} is not a folder; pass the folder that holds the images")
+    return path
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def list_image_files(root: str | os.PathLike[str]) -> list[Path]:
+    """Image files under ``root``, recursively, hidden files and folders ignored, in sorted path order."""
+    root = Path(root)
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.extend(Path(dirpath) / f for f in filenames if _is_image(f))
+    return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def _load_files(paths: list[Path], image_size: int, channels: int) -> tuple[list[np.ndarray], list[int], list]:
+    """Decode ``paths``; returns the arrays, the positions in ``paths`` that worked, and the skipped ones."""
+    arrays: list[np.ndarray] = []
+    ok: list[int] = []
+    skipped: list[tuple[str, str]] = []
+    for i, path in enumerate(paths):
+        try:
+            arrays.append(_decode(path, image_size, channels))
+            ok.append(i)
+        except Exception as exc:  # a bad file is skipped and reported, never fatal on its own
+            skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
+    return arrays, ok, skipped
+
+
+def _stack(arrays: list[np.ndarray], image_size: int, channels: int) -> torch.Tensor:
+    if not arrays:
+        return torch.zeros((0, channels, image_size, image_size), dtype=torch.uint8)
+    return torch.from_numpy(np.stack(arrays))
+
+
+def _nothing_usable(root: Path, skipped: list[tuple[str, str]]) -> DataError:
+    path, reason = skipped[0]
+    return DataError(f"none of the {len(skipped)} image files under {root} could be read (e.g. {path}: {reason}); "
+                     f"check that they are valid {'/'.join(IMAGE_EXTENSIONS)} images")
+
+
+def load_unlabeled_folder(root: str | os.PathLike[str], image_size: int, channels: int) -> ImageSet:
+    """All images under ``root`` (recursively), e.g. a silo's local data."""
+    _check_format(image_size, channels)
+    folder = _check_folder(root, "image")
+    paths = list_image_files(folder)
+    if not paths:
+        raise DataError(f"no images found in {folder} (looked recursively for {', '.join(IMAGE_EXTENSIONS)}); "
+                        f"put the image files there or point to the right folder")
+    arrays, _, skipped = _load_files(paths, image_size, channels)
+    if not arrays:
+        raise _nothing_usable(folder, skipped)
+    return ImageSet(_stack(arrays, image_size, channels), None, [], skipped)
+
+
+def load_labeled_folder(root: str | os.PathLike[str], image_size: int, channels: int) -> ImageSet:
+    """ImageFolder layout: ``root/<class>/**/<image>``; sorted class-folder names give the label order.
+
+    A class folder may be empty (a site need not hold every class; the label space stays the same everywhere).
+    Images directly under ``root`` belong to no class: they are listed in ``skipped``.
+    """
+    _check_format(image_size, channels)
+    folder = _check_folder(root, "labeled image")
+    class_dirs = sorted((d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                        key=lambda d: d.name)
+    loose = [f for f in sorted(folder.iterdir()) if f.is_file() and _is_image(f.name)]
+    if not class_dirs:
+        hint = " (it holds images directly: that is the unlabeled layout)" if loose else ""
+        raise DataError(f"labeled folder {folder} has no class sub-folders{hint}; put each class's images in "
+                        f"its own sub-folder, e.g. {folder}/cat/1.png and {folder}/dog/2.png")
+    skipped: list[tuple[str, str]] = [(str(f), "not inside a class sub-folder; ignored") for f in loose]
+    arrays: list[np.ndarray] = []
+    labels: list[int] = []
+    num_files = 0
+    for label, class_dir in enumerate(class_dirs):
+        paths = list_image_files(class_dir)
+        num_files += len(paths)
+        class_arrays, _, class_skipped = _load_files(paths, image_size, channels)
+        arrays.extend(class_arrays)
+        labels.extend([label] * len(class_arrays))
+        skipped.extend(class_skipped)
+    if num_files == 0:
+        raise DataError(f"no images found in the class folders under {folder} (looked for "
+                        f"{', '.join(IMAGE_EXTENSIONS)}); put each class's images in its sub-folder")
+    if not arrays:
+        raise _nothing_usable(folder, [s for s in skipped if not s[1].startswith("not inside")])
+    return ImageSet(_stack(arrays, image_size, channels), torch.tensor(labels, dtype=torch.int64),
+                    [d.name for d in class_dirs], skipped)
+
+
+# --- in-memory arrays (torchvision datasets, demo data) ------------------------------------------------------
+
+
+def _convert_batch(images: np.ndarray, image_size: int, channels: int, channels_last: bool) -> torch.Tensor:
+    """uint8 N x H x W, N x H x W x C or N x C x H x W -> N x channels x image_size x image_size."""
+    x = torch.from_numpy(np.ascontiguousarray(images))
+    if x.ndim == 3:
+        x = x[:, None]
+    elif channels_last:
+        x = x.permute(0, 3, 1, 2)
+    if x.shape[1] == 3 and channels == 1:
+        # Pillow's "L" conversion (ITU-R 601-2 luma, integer arithmetic) so folders and arrays agree.
+        r, g, b = (x[:, i].to(torch.int32) for i in range(3))
+        x = ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
+    elif x.shape[1] == 1 and channels == 3:
+        x = x.expand(-1, 3, -1, -1)
+    if x.shape[-2:] != (image_size, image_size):
+        chunks = []
+        for start in range(0, len(x), 4096):  # bounded float memory for big datasets
+            chunk = F.interpolate(x[start : start + 4096].float(), size=(image_size, image_size),
+                                  mode="bilinear", antialias=True, align_corners=False)
+            chunks.append(chunk.round_().clamp_(0, 255).to(torch.uint8))
+        x = torch.cat(chunks) if chunks else x.new_zeros((0, channels, image_size, image_size))
+    return x.contiguous()
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST format: big-endian header, uint8 data), plain or gzipped."""
+    gz = path.with_name(path.name + ".gz")
+    if path.exists():
+        data = path.read_bytes()
+    elif gz.exists():
+        with gzip.open(gz, "rb") as fh:
+            data = fh.read()
+    else:
+        raise FileNotFoundError(path)
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file; replace it with the official file")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    if len(data) - offset != int(np.prod(dims)):
+        raise DataError(f"{path} is truncated or corrupt ({len(data) - offset} bytes of data for shape {dims}); "
+                        f"replace it with the official file")
+    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(dims).copy()  # writable for torch
+
+
+def _load_mnist_like(name: str, root: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    raw = root / name / "raw"
+    prefix = "train" if train else "t10k"
+    files = [raw / f"{prefix}-images-idx3-ubyte", raw / f"{prefix}-labels-idx1-ubyte"]
+    try:
+        images, labels = (_read_idx(f) for f in files)
+    except FileNotFoundError:
+        raise DataError(f"{name} files not found: put {files[0].name}(.gz) and {files[1].name}(.gz) under "
+                        f"{raw} (torchvision's layout; silokit never downloads)") from None
+    if len(images) != len(labels):
+        raise DataError(f"{raw}: {len(images)} images but {len(labels)} labels; replace the files with the official ones")
+    return images, labels
+
+
+def load_torchvision(name: str, root: str | os.PathLike[str], train: bool, image_size: int,
+                     channels: int) -> ImageSet:
+    """A torchvision dataset already on disk under ``root`` (torchvision's layout); never downloads."""
+    _check_format(image_size, channels)
+    canonical = {n.lower(): n for n in TORCHVISION_DATASETS}.get(str(name).lower())
+    if canonical is None:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(TORCHVISION_DATASETS)}")
+    base = Path(root)
+    if not base.is_dir():
+        raise DataError(f"dataset root {base} does not exist; create it and put the {canonical} files under it "
+                        f"(e.g. {base / canonical / 'raw'} for MNIST-style sets)")
+    if canonical in ("FashionMNIST", "MNIST"):
+        images, labels = _load_mnist_like(canonical, base, train)
+        classes = FASHION_MNIST_CLASSES if canonical == "FashionMNIST" else MNIST_CLASSES
+        x = _convert_batch(images, image_size, channels, channels_last=False)
+    else:
+        import torchvision.datasets as tvd  # imported here: slow to import and only needed for these sets
+
+        try:
+            if canonical == "CIFAR10":
+                ds = tvd.CIFAR10(str(base), train=train, download=False)  # md5-checks every file before reading
+                images, labels, classes = ds.data, np.asarray(ds.targets), list(ds.classes)
+                x = _convert_batch(images, image_size, channels, channels_last=True)
+            else:
+                ds = tvd.SVHN(str(base), split="train" if train else "test", download=False)
+                images, labels, classes = ds.data, np.asarray(ds.labels), [str(i) for i in range(10)]
+                x = _convert_batch(images, image_size, channels, channels_last=False)
+        except (RuntimeError, OSError) as exc:
+            where = (f"extract cifar-10-python.tar.gz so that {base / 'cifar-10-batches-py'} exists"
+                     if canonical == "CIFAR10" else
+                     f"put {'train' if train else 'test'}_32x32.mat directly under {base}")
+            raise DataError(f"{canonical} not found or corrupt under {base} ({exc}); {where} "
+                            f"(torchvision's layout; silokit never downloads)") from exc
+        except ImportError as exc:
+            raise DataError(f"reading {canonical} needs scipy ({exc}); install it with pip install scipy") from exc
+    return ImageSet(x, torch.from_numpy(labels.astype(np.int64)), list(classes), [])
+
+
+def load_demo(split: str) -> ImageSet:
+    """The bundled Fashion-MNIST subset: "train" (600 per class) or "test" (200 per class), 1 x 28 x 28."""
+    if split not in ("train", "test"):
+        raise ValueError(f"demo split must be 'train' or 'test', got {split!r}")
+    resource = importlib.resources.files("silo_core").joinpath("demo_data", DEMO_FILE)
+    try:
+        with importlib.resources.as_file(resource) as path, np.load(path, allow_pickle=False) as npz:
+            images, labels = npz[f"{split}_images"], npz[f"{split}_labels"]
+            classes = [str(c) for c in npz["classes"]]
+    except FileNotFoundError:
+        raise DataError(f"the bundled demo data ({resource}) is missing; reinstall silokit or run "
+                        f"tools/make_demo_data.py") from None
+    x = torch.from_numpy(np.ascontiguousarray(images))[:, None]
+    return ImageSet(x, torch.from_numpy(labels.astype(np.int64)), classes, [])
+
+
+# --- writing -------------------------------------------------------------------------------------------------
+
+
+def class_folder_name(index: int, name: str, num_classes: int) -> str:
+    """``03_Dress``: the zero-padded index keeps sorted folder order equal to label order when reloaded, and
+    characters that are unsafe in paths (e.g. the "/" in "T-shirt/top") become "_"."""
+    safe = re.sub(r"[^\w.\- ]", "_", name).strip(". ") or "class"
+    return f"{index:0{len(str(max(num_classes - 1, 0)))}d}_{safe}"
+
+
+def save_png_folder(images: ImageSet, root: str | os.PathLike[str], labeled: bool) -> list[Path]:
+    """Write ``images`` as PNG files: labeled -> ``root/<NN_class>/<i>.png``, unlabeled -> ``root/<i>.png``.
+
+    ``i`` is the zero-padded index in ``images``, so loading the folder back gives the same order (and, for
+    labeled sets, the same labels: every class gets a folder, named by ``class_folder_name``).
+    Returns the written paths in index order. Refuses a folder that already holds images, so files from an
+    earlier run can never mix in.
+    """
+    folder = Path(root)
+    if folder.is_dir() and list_image_files(folder):
+        raise DataError(f"{folder} already holds images; choose a new or empty folder (or delete it first)")
+    n, c = len(images), int(images.images.shape[1])
+    if c not in (1, 3):
+        raise DataError(f"can only write 1- or 3-channel images as PNG, got {c} channels")
+    width = len(str(max(n - 1, 0)))
+    if labeled:
+        if images.labels is None or not images.classes:
+            raise DataError(f"cannot write a labeled folder at {folder}: the image set has no labels/classes")
+        dirs = [folder / class_folder_name(k, name, len(images.classes)) for k, name in enumerate(images.classes)]
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        targets = [dirs[int(y)] / f"{i:0{width}d}.png" for i, y in enumerate(images.labels.tolist())]
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        targets = [folder / f"{i:0{width}d}.png" for i in range(n)]
+    pixels = images.images.permute(0, 2, 3, 1).numpy()
+    for arr, path in zip(pixels, targets, strict=True):
+        # compress_level=1: these files are scratch copies for the simulator; speed beats size.
+        Image.fromarray(arr[:, :, 0] if c == 1 else np.ascontiguousarray(arr)).save(path, compress_level=1)
+    return targets

@@ -1,0 +1,67 @@
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Starts real processes and guarantees they are gone when the test ends."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        log = open(self.logdir / f"{name}.log", "a")
+        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.logdir / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def processes(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = Processes(logs)
+    yield procs
+    procs.stop_all()
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

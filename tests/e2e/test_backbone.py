@@ -1,0 +1,77 @@
+"""Hub + 3 silo processes over mutual TLS on loopback: rounds complete, every silo contributes, the hub is killed
+and restarted and resumes at the next round without repeating or losing one."""
+
+import json
+import os
+import signal
+
+import yaml
+
+from silo_sim.stage import stage_federation
+from tests.conftest import free_port, wait_for
+
+TINY = {"hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 8, "hub_batch_size": 8, "tau": 0.0}
+
+
+def history(staged):
+    path = staged.hub_state_dir / "history.json"
+    try:
+        return json.loads(path.read_text())["rounds"]
+    except (OSError, ValueError):
+        return []
+
+
+def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
+    port = free_port()
+    staged = stage_federation(
+        tmp_path / "fed", num_silos=3, labels_per_class=2, unlabeled_limit=60, test_per_class=5, seed=1,
+        hub_config={
+            "run": {"threads": 1},
+            "server": {"port": port, "long_poll_s": 2.0, "linger_s": 10.0},
+            "algorithm": {"name": "semifl", "options": TINY},
+            "rounds": {"total": 4, "min_silos": 3, "quorum": 1.0, "deadline_s": 120},
+        },
+    )
+    hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
+    silos = [
+        processes.start(s.name, "-m", "silo_client.cli", "--data", str(s.data), "--certs", str(s.certs),
+                        "--hub", f"127.0.0.1:{port}", "--state-dir", str(s.state_dir), "--sim-labels", str(s.labels),
+                        "--threads", "1", "--connect-timeout", "120")
+        for s in staged.silos
+    ]
+    wait_for(lambda: len(history(staged)) >= 2 or hub.poll() is not None, 180, "two rounds")
+    assert hub.poll() is None, processes.log("hub")
+    os.kill(hub.pid, signal.SIGKILL)
+    hub.wait()
+
+    before = history(staged)
+    done_before = [h["round"] for h in before]
+    assert done_before == list(range(1, len(before) + 1)) and len(before) >= 2
+    for h in before:
+        assert h["silos_sampled"] == 3 and h["silos_reported"] == 3 and h["silos_skipped"] == 0
+        assert h["bytes_up"] > 0 and h["bytes_down"] > 0
+    latest = (staged.hub_state_dir / "checkpoints" / "LATEST").read_text().strip()
+    assert latest == f"round-{len(before):06d}"
+    assert (staged.hub_state_dir / "checkpoints" / latest / "state.safetensors").is_file()
+
+    restarted = processes.start("hub-restarted", "-m", "silo_server.cli", "--config", str(staged.hub_config))
+    assert restarted.wait(timeout=240) == 0, processes.log("hub-restarted")
+    log = processes.log("hub-restarted")
+    assert f"resumed from checkpoint after round {len(before)}" in log
+    assert f"round {len(before) + 1} attempt 1" in log
+    assert f"round {len(before)} attempt" not in log  # nothing before the checkpoint ran again
+
+    after = history(staged)
+    assert [h["round"] for h in after] == [1, 2, 3, 4]
+    assert after[:len(before)] == before
+    for h in after:
+        assert h["silos_reported"] == 3 and 0.0 <= h["test_accuracy"] <= 1.0
+        assert 0.0 < h["pseudo_label_ratio"] <= 1.0
+    card = json.loads((staged.hub_state_dir / "model_card.json").read_text())
+    assert card["rounds"] == 4 and card["algorithm"] == "semifl"
+    assert set(card["silos"]) == {s.name for s in staged.silos}
+    assert all(v["rounds_contributed"] >= 4 - len(before) for v in card["silos"].values())
+    assert (staged.hub_state_dir / "model.safetensors").stat().st_size > 10_000
+    for silo in silos:
+        assert silo.wait(timeout=60) == 0, processes.log(silo.name)
+    assert yaml.safe_load(staged.hub_config.read_text())["server"]["port"] == port

@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from silo_core.algorithms.base import HubData, SiloData, load_model
+from silo_core.algorithms.semifl import (
+    SemiFLHub,
+    SemiFLOptions,
+    SemiFLSilo,
+    mix_loss,
+    pseudo_label_metrics,
+    select_confident,
+)
+from silo_core.models import ModelSpec
+from silo_core.training import cosine_lr
+
+SPEC = ModelSpec(options={"width": 4})
+
+
+def tiny_hub(options=None, rounds=4):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (20, 1, 28, 28), dtype=torch.uint8, generator=g)
+    labels = torch.arange(20) % 10
+    opts = SemiFLOptions(**{"hub_epochs": 1, **(options or {})})
+    return SemiFLHub(opts, SPEC, HubData(images, labels), torch.device("cpu"), seed=0, total_rounds=rounds)
+
+
+def test_threshold_filter_keeps_exactly_those_at_or_above_tau():
+    probs = torch.tensor([[0.96, 0.04], [0.5, 0.5], [0.05, 0.95], [0.2, 0.8]])
+    labels, keep = select_confident(probs, 0.95)
+    assert labels.tolist() == [0, 0, 1, 1]
+    assert keep.tolist() == [True, False, True, False]
+
+
+def test_mix_loss_is_the_lambda_weighted_sum_of_two_cross_entropies():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.5]])
+    y_fix, y_partner, lam = torch.tensor([0, 1]), torch.tensor([2, 2]), 0.3
+    expected = 0.0
+    for i in range(2):
+        logp = F.log_softmax(logits[i], dim=0)
+        expected += -(lam * logp[y_fix[i]] + (1 - lam) * logp[y_partner[i]]) / 2
+    assert math.isclose(float(mix_loss(logits, y_fix, y_partner, lam)), float(expected), rel_tol=1e-6)
+
+
+def test_global_momentum_step_matches_sgd_with_momentum():
+    hub = tiny_hub({"global_momentum": 0.5, "hub_epochs": 0})
+    state = hub.init_state()
+    model = load_model(SPEC, state.tensors)
+    names = [n for n, _ in model.named_parameters()]
+    w0 = {n: state.tensors[f"model/{n}"].clone() for n in names}
+    # Two silos, uniform weights: mean delta = (d1 + d2) / 2.
+    d1 = {n: torch.full_like(w0[n], 0.2) for n in names}
+    d2 = {n: torch.full_like(w0[n], -0.1) for n in names}
+    summed = {f"delta/{n}": d1[n] + d2[n] for n in names}
+    summed["weight"] = torch.tensor([2.0])
+    state1, metrics = hub.finish_round(state, summed, {})
+    assert metrics["aggregated_weight"] == 2.0
+    # g = -mean delta = -0.05; buf = g; w1 = w0 - buf = w0 + 0.05 (hub_epochs=0: no fine-tune moves weights)
+    for n in names:
+        assert torch.allclose(state1.tensors[f"model/{n}"], w0[n] + 0.05, atol=1e-6)
+        assert torch.allclose(state1.tensors[f"momentum/{n}"], torch.full_like(w0[n], -0.05))
+    # Second step with the same pseudo-gradient: buf = 0.5 * (-0.05) + (-0.05) = -0.075.
+    state2, _ = hub.finish_round(state1, summed, {})
+    for n in names:
+        assert torch.allclose(state2.tensors[f"model/{n}"], w0[n] + 0.05 + 0.075, atol=1e-6)
+    assert state2.round == 2
+
+
+def test_no_contribution_leaves_the_model_to_the_hub_fine_tune_only():
+    hub = tiny_hub({"hub_epochs": 0})
+    state = hub.init_state()
+    state1, metrics = hub.finish_round(state, {}, {"pl_total": 100.0, "pl_selected": 0.0})
+    assert metrics["aggregated_weight"] == 0.0
+    assert metrics["pseudo_label_ratio"] == 0.0
+    for k, v in state.tensors.items():
+        if k.startswith("model/") and v.is_floating_point() and "running" not in k:
+            assert torch.equal(v, state1.tensors[k])
+
+
+def test_pseudo_label_metrics_from_summed_counts():
+    m = pseudo_label_metrics({"pl_total": 200.0, "pl_selected": 50.0, "pl_correct": 40.0})
+    assert m == {"pseudo_label_ratio": 0.25, "pseudo_label_accuracy": 0.8}
+
+
+def test_cosine_lr_starts_at_base_and_decays_per_round():
+    lrs = [cosine_lr(0.03, r, 10) for r in range(1, 11)]
+    assert lrs[0] == pytest.approx(0.03)
+    assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert lrs[-1] == pytest.approx(0.03 * 0.5 * (1 + math.cos(math.pi * 0.9)))
+    assert cosine_lr(0.03, 5, 10, "constant") == 0.03
+
+
+def test_silo_skips_when_nothing_passes_tau_and_sends_nothing():
+    hub = tiny_hub({"tau": 1.0})
+    plan = hub.begin_round(hub.init_state())
+    silo = SemiFLSilo(SemiFLOptions(tau=1.0), SPEC, torch.device("cpu"))
+    images = torch.randint(0, 256, (16, 1, 28, 28), dtype=torch.uint8)
+    result = silo.local_update(plan, SiloData(images=images, silo_id="s1"))
+    assert result.skipped and result.tensors == {}
+    assert result.metrics["pl_total"] == 16 and result.metrics["pl_selected"] == 0
+
+
+def test_silo_update_matches_the_plan_and_moves_the_model():
+    hub = tiny_hub({"tau": 0.0})
+    plan = hub.begin_round(hub.init_state())
+    opts = SemiFLOptions(tau=0.0, local_epochs=1, silo_batch_size=4)
+    silo = SemiFLSilo(opts, SPEC, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    images = torch.randint(0, 256, (12, 1, 28, 28), dtype=torch.uint8, generator=g)
+    truth = torch.arange(12) % 10
+    result = silo.local_update(plan, SiloData(images=images, true_labels=truth, silo_id="s1"))
+    assert not result.skipped
+    assert set(result.tensors) == set(plan.expected)
+    for name, spec in plan.expected.items():
+        assert tuple(result.tensors[name].shape) == spec.shape
+    assert float(result.tensors["weight"]) == 1.0
+    assert sum(float(t.abs().sum()) for k, t in result.tensors.items() if k.startswith("delta/")) > 0
+    assert result.metrics["pl_selected"] == 12 and 0 <= result.metrics["pl_correct"] <= 12
+    assert result.metrics["train_steps"] == 3
+    # Same plan, same silo id: the same update (a resumed round reproduces it).
+    again = silo.local_update(plan, SiloData(images=images, true_labels=truth, silo_id="s1"))
+    assert all(torch.allclose(again.tensors[k], result.tensors[k]) for k in result.tensors)

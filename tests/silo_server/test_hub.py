@@ -1,0 +1,174 @@
+"""The hub core, driven directly (no network): sampling, validation, quorum, deadline, checkpoints."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.models import ModelSpec
+from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
+from silo_server.checkpoint import load_latest
+from silo_server.hub import Hub, Refusal
+
+
+class MeanOfSilos(HubAlgorithm):
+    """A real (if tiny) algorithm: the global vector moves to the weighted mean of the silos' vectors."""
+
+    name = "mean"
+
+    def __init__(self):
+        super().__init__(None, ModelSpec(), None, torch.device("cpu"), 0, 3)
+
+    def init_state(self):
+        return HubState(0, {"model/x": torch.zeros(3)})
+
+    def begin_round(self, state):
+        return RoundPlan(state.round + 1, dict(state.tensors), {"lr": 1.0},
+                         {"delta/x": TensorSpec((3,), "float32"), "weight": TensorSpec((1,), "float32")})
+
+    def finish_round(self, state, summed, metrics):
+        x = state.tensors["model/x"] + summed["delta/x"] / summed["weight"]
+        return HubState(state.round + 1, {"model/x": x}), {"n": metrics.get("n", 0.0)}
+
+    def served_model(self, state):
+        return torch.nn.Identity()
+
+
+def make_hub(tmp_path, **kw):
+    defaults = dict(state_dir=tmp_path, total_rounds=3, run_description={"algorithm": "mean"}, min_silos=2,
+                    quorum=1.0, deadline_s=5.0, liveness_s=60.0)
+    return Hub(MeanOfSilos(), **{**defaults, **kw})
+
+
+def upload(hub, silo, task, tensors, round_=None, skipped=False, metrics=None):
+    payload = encode(tensors) if tensors else b""
+    header = {"run_id": hub.run_id, "task_id": task.task_id, "round": task.round if round_ is None else round_,
+              "total_bytes": len(payload), "sha256": sha256_hex(payload), "skipped": skipped,
+              "metrics": metrics or {"n": 1.0}}
+    hub.upload(silo, header, iter_chunks(payload, 16))
+
+
+def result(value):
+    return {"delta/x": torch.full((3,), float(value)), "weight": torch.tensor([1.0])}
+
+
+def start_round(hub):
+    state = hub.resume_or_init()
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("state", hub.run_round(state)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_task(hub, silo):
+    task = hub.next_task(silo, hub.run_id, wait_s=5)
+    assert task.kind == "TRAIN", task
+    return task
+
+
+def test_a_round_sums_every_sampled_silo_and_checkpoints(tmp_path):
+    hub = make_hub(tmp_path)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
+    assert ta.task_id == tb.task_id and ta.round == 1
+    assert hub.download("a", hub.run_id, ta.task_id)
+    upload(hub, "a", ta, result(1.0))
+    upload(hub, "b", tb, result(3.0))
+    thread.join(10)
+    state = out["state"]
+    assert torch.allclose(state.tensors["model/x"], torch.full((3,), 2.0))
+    entry = hub.history[-1]
+    assert entry["round"] == 1 and entry["silos_reported"] == 2 and entry["n"] == 2.0
+    assert entry["bytes_up"] > 0 and entry["bytes_down"] > 0
+    loaded, info = load_latest(tmp_path)
+    assert loaded.round == 1 and torch.allclose(loaded.tensors["model/x"], torch.full((3,), 2.0))
+    assert json.loads((tmp_path / "history.json").read_text())["rounds"][0]["round"] == 1
+
+
+def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
+    hub = make_hub(tmp_path)
+    for s in ("a", "b", "c"):
+        hub.join(s, 10, 0, "cpu")
+    hub.silos_per_round = 2
+    thread, out = start_round(hub)
+    time.sleep(0.3)
+    task = hub.task
+    sampled = sorted(task.sampled)
+    outsider = ({"a", "b", "c"} - set(sampled)).pop()
+    first = sampled[0]
+    view = wait_task(hub, first)
+    cases = [
+        (outsider, lambda: upload(hub, outsider, view, result(100)), "PERMISSION_DENIED"),
+        (first, lambda: upload(hub, first, view, {"delta/x": torch.zeros(4), "weight": torch.ones(1)}),
+         "INVALID_ARGUMENT"),
+        (first, lambda: upload(hub, first, view, {"delta/x": torch.tensor([0.0, float("nan"), 0.0]),
+                                                   "weight": torch.ones(1)}), "INVALID_ARGUMENT"),
+        (first, lambda: upload(hub, first, view, result(1), round_=0), "FAILED_PRECONDITION"),
+    ]
+    for _, call, code in cases:
+        with pytest.raises(Refusal) as info:
+            call()
+        assert info.value.code == code
+    assert task.reported == set() and task.sums.tensors == {}
+    upload(hub, first, view, result(2.0))
+    with pytest.raises(Refusal) as dup:
+        upload(hub, first, view, result(50.0))
+    assert dup.value.code == "ALREADY_EXISTS"
+    upload(hub, sampled[1], wait_task(hub, sampled[1]), result(4.0))
+    thread.join(10)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0))
+    assert hub.refusals == {"not_sampled": 1, "bad_payload": 2, "wrong_round": 1, "duplicate": 1}
+    with pytest.raises(Refusal) as stale:
+        upload(hub, first, view, result(2.0))
+    assert stale.value.code == "FAILED_PRECONDITION"
+
+
+def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying(tmp_path):
+    hub = make_hub(tmp_path, deadline_s=1.0, quorum=1.0)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    first = wait_task(hub, "a")
+    upload(hub, "a", first, result(10.0))  # b never reports: attempt 1 misses quorum
+    time.sleep(1.5)
+    second_a, second_b = wait_task(hub, "a"), wait_task(hub, "b")
+    assert second_a.task_id != first.task_id
+    upload(hub, "a", second_a, result(1.0))
+    upload(hub, "b", second_b, result(3.0))
+    thread.join(10)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # attempt 1's 10.0 is gone
+    assert hub.history[-1]["attempt"] == 2
+
+
+def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
+    hub = make_hub(tmp_path)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    upload(hub, "a", wait_task(hub, "a"), {}, skipped=True)
+    upload(hub, "b", wait_task(hub, "b"), result(4.0))
+    thread.join(10)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 4.0))
+    assert hub.history[-1]["silos_skipped"] == 1
+
+
+def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
+    hub = make_hub(tmp_path)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, _ = start_round(hub)
+    for s in ("a", "b"):
+        upload(hub, s, wait_task(hub, s), result(1.0))
+    thread.join(10)
+    again = make_hub(tmp_path)
+    assert again.run_id == hub.run_id
+    state = again.resume_or_init()
+    assert state.round == 1 and [h["round"] for h in again.history] == [1]
+    with pytest.raises(Refusal) as info:
+        again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
+    assert info.value.code == "FAILED_PRECONDITION"
