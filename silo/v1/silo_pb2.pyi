@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -23,7 +21,7 @@ class JoinRequest(_message.Message):
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     device: str
     skipped_images: int
-    def __init__(self, client_version: str | None = ..., num_unlabeled: int | None = ..., num_labeled: int | None = ..., capabilities: _Iterable[str] | None = ..., device: str | None = ..., skipped_images: int | None = ...) -> None: ...
+    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ...) -> None: ...
 
 class RunDescription(_message.Message):
     __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes")
@@ -53,7 +51,7 @@ class RunDescription(_message.Message):
     model_options_json: str
     max_upload_bytes: int
     chunk_bytes: int
-    def __init__(self, run_id: str | None = ..., algorithm: str | None = ..., model: str | None = ..., num_classes: int | None = ..., in_channels: int | None = ..., image_size: int | None = ..., total_rounds: int | None = ..., algorithm_options_json: str | None = ..., normalize_mean: _Iterable[float] | None = ..., normalize_std: _Iterable[float] | None = ..., model_options_json: str | None = ..., max_upload_bytes: int | None = ..., chunk_bytes: int | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("silo_id", "run")
@@ -61,7 +59,7 @@ class JoinReply(_message.Message):
     RUN_FIELD_NUMBER: _ClassVar[int]
     silo_id: str
     run: RunDescription
-    def __init__(self, silo_id: str | None = ..., run: RunDescription | _Mapping | None = ...) -> None: ...
+    def __init__(self, silo_id: _Optional[str] = ..., run: _Optional[_Union[RunDescription, _Mapping]] = ...) -> None: ...
 
 class NextTaskRequest(_message.Message):
     __slots__ = ("run_id", "last_round_done")
@@ -69,7 +67,7 @@ class NextTaskRequest(_message.Message):
     LAST_ROUND_DONE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     last_round_done: int
-    def __init__(self, run_id: str | None = ..., last_round_done: int | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., last_round_done: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -79,7 +77,7 @@ class TensorSpec(_message.Message):
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, name: str | None = ..., shape: _Iterable[int] | None = ..., dtype: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message")
@@ -115,7 +113,7 @@ class Task(_message.Message):
     expected: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     retry_after_s: float
     message: str
-    def __init__(self, kind: Task.Kind | str | None = ..., run_id: str | None = ..., round: int | None = ..., task_id: str | None = ..., bundle_bytes: int | None = ..., bundle_sha256: str | None = ..., hyperparameters_json: str | None = ..., class_thresholds: _Iterable[float] | None = ..., expected: _Iterable[TensorSpec | _Mapping] | None = ..., retry_after_s: float | None = ..., message: str | None = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("run_id", "task_id")
@@ -123,7 +121,7 @@ class DownloadRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
-    def __init__(self, run_id: str | None = ..., task_id: str | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -131,7 +129,7 @@ class Chunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
-    def __init__(self, offset: int | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("run_id", "task_id", "round", "total_bytes", "sha256", "skipped", "metrics")
@@ -141,7 +139,7 @@ class UploadHeader(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -156,7 +154,7 @@ class UploadHeader(_message.Message):
     sha256: str
     skipped: bool
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_id: str | None = ..., task_id: str | None = ..., round: int | None = ..., total_bytes: int | None = ..., sha256: str | None = ..., skipped: bool | None = ..., metrics: _Mapping[str, float] | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -164,7 +162,7 @@ class UploadMessage(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: UploadHeader
     chunk: Chunk
-    def __init__(self, header: UploadHeader | _Mapping | None = ..., chunk: Chunk | _Mapping | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("accepted", "message")
@@ -172,4 +170,4 @@ class UploadReply(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     message: str
-    def __init__(self, accepted: bool | None = ..., message: str | None = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
