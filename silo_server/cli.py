@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from security.tls import TlsError
+from silo_core.data import DataError
 from silo_server.config import ConfigError, load_config
 
 
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is kept and the next start resumes from it", file=sys.stderr)
         return 130
-    except (ConfigError, ValueError, OSError, RuntimeError) as err:
+    except (ConfigError, DataError, TlsError, ValueError, OSError, RuntimeError) as err:
         if args.verbose:
             raise
         first = str(err).strip().splitlines() or [type(err).__name__]
