@@ -147,25 +147,9 @@ def seeded_generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def hub_update(
-    model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    opt: OptimizerSettings,
-    mean: list[float],
-    std: list[float],
-    device: torch.device,
-    generator: torch.Generator,
-    flip: bool = True,
-) -> float:
-    """SemiFL's ServerUpdate followed by the static-BN statistics of the hub's labeled images."""
-    loss = train_supervised(
-        model, images, labels, epochs=epochs, batch_size=batch_size, lr=lr, opt=opt,
-        mean=mean, std=std, device=device, generator=generator, flip=flip,
-    )
-    compute_static_bn(model, clean_batches(images, mean, std, device))
+def hub_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, **train_args) -> float:
+    """SemiFL's ServerUpdate (train_supervised with the same arguments) followed by the static-BN statistics of
+    the hub's labeled images."""
+    loss = train_supervised(model, images, labels, **train_args)
+    compute_static_bn(model, clean_batches(images, train_args["mean"], train_args["std"], train_args["device"]))
     return loss

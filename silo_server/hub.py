@@ -399,9 +399,13 @@ class Hub:
         """Resume or start, run every remaining round, and return the final state."""
         state = self.resume_or_init()
         self.state = state
-        while state.round < self.total_rounds and not self.stop_event.is_set():
-            state = self.run_round(state)
-            self.state = state
+        try:
+            while state.round < self.total_rounds and not self.stop_event.is_set():
+                state = self.run_round(state)
+                self.state = state
+        except InterruptedError:
+            log.info("stopped during round %d; the next start resumes after round %d", state.round + 1, state.round)
+            return state
         self._set_phase("done")
         return state
 
