@@ -218,7 +218,8 @@ class HubApp:
             "classes": self.labeled.classes,
             "rounds": state.round,
             "hub_labeled_images": len(self.labeled),
-            "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled}
+            "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled,
+                          "skipped_images": r.skipped_images}
                       for s, r in sorted(self.hub.silos.items())},
             "final_metrics": {k: v for k, v in final.items() if k.startswith("test_")},
             "weights_file": weights.name,

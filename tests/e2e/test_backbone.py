@@ -32,6 +32,9 @@ def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
             "rounds": {"total": 4, "min_silos": 3, "quorum": 1.0, "deadline_s": 120},
         },
     )
+    # A corrupt and a truncated image at one branch: skipped, counted, reported; the silo still trains.
+    (staged.silos[0].data / "zz-corrupt.png").write_bytes(b"not an image at all")
+    (staged.silos[0].data / "zz-truncated.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 20)
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
     silos = [
         processes.start(s.name, "-m", "silo_client.cli", "--data", str(s.data), "--certs", str(s.certs),
@@ -72,6 +75,9 @@ def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
     assert set(card["silos"]) == {s.name for s in staged.silos}
     assert all(v["rounds_contributed"] >= 4 - len(before) for v in card["silos"].values())
     assert (staged.hub_state_dir / "model.safetensors").stat().st_size > 10_000
+    assert card["silos"][staged.silos[0].name]["skipped_images"] == 2
+    assert card["silos"][staged.silos[1].name]["skipped_images"] == 0
+    assert "2 of 22 image files skipped as unreadable" in processes.log(staged.silos[0].name)
     for silo in silos:
         assert silo.wait(timeout=60) == 0, processes.log(silo.name)
     assert yaml.safe_load(staged.hub_config.read_text())["server"]["port"] == port
