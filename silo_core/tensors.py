@@ -7,7 +7,7 @@ checked against what the receiver planned (names, shapes, dtypes) and for non-fi
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,15 +106,35 @@ def assemble(chunks: Iterable[tuple[int, bytes]], total_bytes: int, sha256: str,
     return assembler.finish(sha256)
 
 
-def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec]) -> None:
-    """Refuse anything but exactly the planned names, shapes and dtypes, with finite values."""
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+def check_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, TensorSpec],
+    groups: Mapping[str, Sequence[str]] | None = None,
+) -> None:
+    """Refuse anything but the planned names, shapes and dtypes, with finite values.
+
+    Without ``groups`` the result must hold exactly the names in ``expected``. With ``groups`` (group -> names,
+    a partition of ``expected``) it may hold any non-empty set of WHOLE groups: a site uploads only the models it
+    trained, but never a part of one.
+    """
+    required = set(expected)
+    if groups:
+        present = [g for g, names in groups.items() if any(n in tensors for n in names)]
+        if not present:
+            raise CodecError(f"result holds none of the planned groups ({', '.join(sorted(groups))})")
+        for g in present:
+            lacking = [n for n in groups[g] if n not in tensors]
+            if lacking:
+                raise CodecError(f"group {g} is incomplete: missing {', '.join(lacking[:5])}")
+        required = {n for g in present for n in groups[g]}
+    missing = sorted(required - set(tensors))
+    extra = sorted(set(tensors) - required)
     if missing:
         raise CodecError(f"missing tensors: {', '.join(missing[:5])}")
     if extra:
         raise CodecError(f"unexpected tensors: {', '.join(extra[:5])}")
-    for name, spec in expected.items():
+    for name in sorted(required):
+        spec = expected[name]
         t = tensors[name]
         if tuple(t.shape) != tuple(spec.shape):
             raise CodecError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(spec.shape)}")

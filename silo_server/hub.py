@@ -252,7 +252,7 @@ class Hub:
             payload = assembler.finish(str(header.get("sha256", "")))
             if not skipped:
                 tensors = decode(payload, self.max_upload_bytes)
-                check_tensors(tensors, t.plan.expected)
+                check_tensors(tensors, t.plan.expected, t.plan.groups)
         except CodecError as err:
             code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
             raise self.refuse(silo_id, code, "bad_payload", str(err)) from None

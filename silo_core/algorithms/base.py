@@ -41,6 +41,15 @@ class RoundPlan:
     hyperparameters: dict[str, Any]
     expected: dict[str, TensorSpec]  # what the hub accepts back: exact names, shapes and dtypes
     class_thresholds: list[float] = field(default_factory=list)
+    # Optional partition of `expected` into groups (group -> names). When set, a result may hold any non-empty set
+    # of whole groups (a site uploads only the models it trained); when empty, exactly `expected`.
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.groups:
+            named = [n for names in self.groups.values() for n in names]
+            if sorted(named) != sorted(self.expected):
+                raise ValueError("RoundPlan.groups must partition the expected tensors: every name in exactly one group")
 
 
 @dataclass

@@ -94,3 +94,38 @@ def test_check_tensors_refuses_names_shapes_dtypes_and_nan():
     bad[1, 2] = float("nan")
     with pytest.raises(CodecError, match="NaN"):
         check_tensors({**t, "a": bad}, spec)
+
+
+GROUPED = {
+    "S/delta/w": TensorSpec((2, 3), "float32"), "S/count": TensorSpec((2,), "float32"),
+    "U/delta/w": TensorSpec((2, 3), "float32"), "U/count": TensorSpec((2,), "float32"),
+}
+GROUPS = {"S": ["S/delta/w", "S/count"], "U": ["U/delta/w", "U/count"]}
+
+
+def grouped(*names):
+    return {n: torch.zeros(GROUPED[n].shape) for n in names}
+
+
+def test_check_tensors_with_groups_accepts_any_union_of_whole_groups():
+    check_tensors(grouped("S/delta/w", "S/count"), GROUPED, GROUPS)
+    check_tensors(grouped("U/delta/w", "U/count"), GROUPED, GROUPS)
+    check_tensors(grouped(*GROUPED), GROUPED, GROUPS)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (grouped("S/delta/w"), "group S is incomplete: missing S/count"),
+    (grouped("S/delta/w", "S/count", "U/count"), "group U is incomplete: missing U/delta/w"),
+    ({}, "none of the planned groups"),
+    ({**grouped("S/delta/w", "S/count"), "X/w": torch.zeros(1)}, "unexpected tensors: X/w"),
+    ({**grouped("S/count"), "S/delta/w": torch.zeros(3, 2)}, "shape"),
+    ({**grouped("U/delta/w"), "U/count": torch.tensor([1.0, float("inf")])}, "NaN or infinite"),
+])
+def test_check_tensors_with_groups_refuses_partial_groups_strangers_and_bad_values(tensors, message):
+    with pytest.raises(CodecError, match=message):
+        check_tensors(tensors, GROUPED, GROUPS)
+
+
+def test_without_groups_a_subset_is_still_refused():
+    with pytest.raises(CodecError, match="missing tensors"):
+        check_tensors(grouped("S/delta/w", "S/count"), GROUPED)

@@ -172,3 +172,45 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     with pytest.raises(Refusal) as info:
         again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
     assert info.value.code == "FAILED_PRECONDITION"
+
+
+class TwoGroups(MeanOfSilos):
+    """Two independent vectors; a site reports only the one it trained (weighted sums per group)."""
+
+    def init_state(self):
+        return HubState(0, {"model/a": torch.zeros(2), "model/b": torch.zeros(2)})
+
+    def begin_round(self, state):
+        expected = {f"{g}/{k}": TensorSpec((2,) if k == "delta" else (1,), "float32")
+                    for g in ("a", "b") for k in ("delta", "n")}
+        return RoundPlan(state.round + 1, dict(state.tensors), {}, expected,
+                         groups={"a": ["a/delta", "a/n"], "b": ["b/delta", "b/n"]})
+
+    def finish_round(self, state, summed, metrics):
+        tensors = dict(state.tensors)
+        for g in ("a", "b"):
+            if f"{g}/n" in summed:
+                tensors[f"model/{g}"] = tensors[f"model/{g}"] + summed[f"{g}/delta"] / summed[f"{g}/n"]
+        return HubState(state.round + 1, tensors), {}
+
+
+def test_grouped_plan_accepts_whole_groups_and_refuses_a_part_of_one(tmp_path):
+    hub = Hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=2,
+              quorum=1.0, deadline_s=5.0)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
+    with pytest.raises(Refusal) as partial:
+        upload(hub, "a", ta, {"a/delta": torch.ones(2)})  # group a without its count
+    assert partial.value.code == "INVALID_ARGUMENT" and "group a is incomplete" in partial.value.message
+    assert ta and hub.task.sums.tensors == {}
+    # Site a trained only model a (3 samples, mean delta 1); site b trained both (1 sample each, delta 5 and 2).
+    upload(hub, "a", ta, {"a/delta": torch.full((2,), 3.0), "a/n": torch.tensor([3.0])})
+    upload(hub, "b", tb, {"a/delta": torch.full((2,), 5.0), "a/n": torch.tensor([1.0]),
+                          "b/delta": torch.full((2,), 2.0), "b/n": torch.tensor([1.0])})
+    thread.join(10)
+    state = out["state"]
+    assert torch.allclose(state.tensors["model/a"], torch.full((2,), 2.0))  # (3*1 + 1*5) / 4
+    assert torch.allclose(state.tensors["model/b"], torch.full((2,), 2.0))
+    assert hub.refusals == {"bad_payload": 1}
