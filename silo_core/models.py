@@ -66,12 +66,16 @@ class _WideBasic(nn.Module):
 class WideResNet(nn.Module):
     """WRN-depth-k (Zagoruyko & Komodakis); WRN-28-2 has about 1.47M parameters, the SemiFL paper's model."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10, depth: int = 28, widen: int = 2):
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, depth: int = 28, widen: int = 2,
+                 scale: float = 1.0):
         super().__init__()
         if (depth - 4) % 6 != 0:
             raise ValueError(f"WideResNet depth must be 6n+4, got {depth}")
+        if scale <= 0:
+            raise ValueError(f"WideResNet scale must be positive, got {scale}")
         n = (depth - 4) // 6
-        widths = [16, 16 * widen, 32 * widen, 64 * widen]
+        # `scale` multiplies every channel count (HASSLE's compact residual models use 1/4 of the channels).
+        widths = [max(1, round(c * scale)) for c in (16, 16 * widen, 32 * widen, 64 * widen)]
         self.conv = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
         layers: list[nn.Module] = []
         cin = widths[0]
@@ -108,8 +112,22 @@ class ModelSpec:
         if self.name == "small_cnn":
             return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 16)))
         if self.name == "wrn28_2":
-            return WideResNet(self.in_channels, self.num_classes, depth=28, widen=int(self.options.get("widen", 2)))
+            return WideResNet(self.in_channels, self.num_classes, depth=28, widen=int(self.options.get("widen", 2)),
+                              scale=float(self.options.get("scale", 1.0)))
         raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
+
+    def scaled(self, factor: float) -> ModelSpec:
+        """The same architecture with every channel count multiplied by ``factor`` (e.g. 0.25 for a compact
+        residual model); inputs, classes and normalisation unchanged."""
+        if factor <= 0:
+            raise ValueError(f"a width factor must be positive, got {factor}")
+        options = dict(self.options)
+        if self.name == "small_cnn":
+            options["width"] = max(1, round(int(options.get("width", 16)) * factor))
+        else:
+            options["scale"] = float(options.get("scale", 1.0)) * factor
+        return ModelSpec(self.name, self.num_classes, self.in_channels, self.image_size, list(self.mean),
+                         list(self.std), options)
 
 
 def trainable_names(model: nn.Module) -> list[str]:
