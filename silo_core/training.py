@@ -54,6 +54,15 @@ def cosine_lr(base_lr: float, round_number: int, total_rounds: int, schedule: st
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def scheduled_lr(base_lr: float, round_number: int, total_rounds: int, schedule: str = "cosine",
+                 decay: float = 1.0) -> float:
+    """LR of 1-based round `round_number`: `cosine` and `constant` as cosine_lr; `exponential` multiplies by
+    `decay` once per round (FedSEAL: 0.995), starting from base_lr in round 1."""
+    if schedule == "exponential":
+        return base_lr * decay ** max(round_number - 1, 0)
+    return cosine_lr(base_lr, round_number, total_rounds, schedule)
+
+
 def shuffled_batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
     """Index batches of one epoch. A trailing batch of one is dropped: batch norm needs two samples."""
     order = torch.randperm(n, generator=generator)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from silo_core.algorithms.base import HubAlgorithm, SiloAlgorithm
+from silo_core.algorithms.fedseal import FedSEALHub, FedSEALOptions, FedSEALSilo
 from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
 from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
 
@@ -20,6 +21,7 @@ class AlgorithmEntry:
 
 ALGORITHMS: dict[str, AlgorithmEntry] = {
     "semifl": AlgorithmEntry(SemiFLOptions, SemiFLHub, SemiFLSilo),
+    "fedseal": AlgorithmEntry(FedSEALOptions, FedSEALHub, FedSEALSilo),
     "server-only": AlgorithmEntry(ServerOnlyOptions, ServerOnlyHub, None),
 }
 

@@ -14,13 +14,47 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from silo_core.models import ModelSpec
 from silo_core.tensors import TensorSpec
+from silo_core.training import OptimizerSettings, scheduled_lr
+
+
+class SGDOptions(BaseModel):
+    """Local SGD knobs shared by FedSEAL, HASSLE and the baselines (each algorithm redeclares the defaults its
+    paper uses). SemiFL keeps its own copy of these fields so its documented defaults never move."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(0.03, gt=0.0, description="SGD learning rate of round 1 (hub and silos)")
+    lr_schedule: Literal["cosine", "constant", "exponential"] = "cosine"
+    lr_decay: float = Field(0.995, gt=0.0, le=1.0, description="per-round factor of the exponential schedule")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    nesterov: bool = True
+    grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip; 0 disables")
+    flip: bool = Field(True, description="horizontal flips in augmentation (off for digits/text)")
+
+    def optimizer(self) -> OptimizerSettings:
+        return OptimizerSettings(self.lr, self.momentum, self.weight_decay, self.nesterov, self.grad_clip)
+
+    def lr_at(self, round_number: int, total_rounds: int) -> float:
+        return scheduled_lr(self.lr, round_number, total_rounds, self.lr_schedule, self.lr_decay)
+
+
+class StrongAugmentOptions(BaseModel):
+    """RandAugment + Cutout, the strong view A(x) of FixMatch-style losses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    randaugment_ops: int = Field(2, ge=0)
+    randaugment_magnitude: int = Field(10, ge=0, le=30)
+    cutout: float = Field(0.5, ge=0.0, le=1.0, description="Cutout side as a fraction of the image side")
 
 
 @dataclass
@@ -61,13 +95,20 @@ class SiloResult:
 
 @dataclass
 class SiloData:
-    """A silo's local images (uint8 N x C x H x W); labels only where the site has them."""
+    """A site's local data: unlabeled images (uint8 N x C x H x W, possibly none) and, where the site has them,
+    labeled images with their labels (HASSLE: any site may hold labeled data, unlabeled data, or both)."""
 
     images: torch.Tensor
-    labels: torch.Tensor | None = None
-    true_labels: torch.Tensor | None = None  # simulation only: to report pseudo-label accuracy
+    labels: torch.Tensor | None = None  # labels of labeled_images
+    true_labels: torch.Tensor | None = None  # simulation only: the true labels of `images`
     state_dir: Path | None = None  # where a silo half may persist its own state across restarts
     silo_id: str = ""
+    labeled_images: torch.Tensor | None = None
+    run_id: str = ""  # the hub's run: state a silo half persists is kept per run
+
+    @property
+    def num_labeled(self) -> int:
+        return 0 if self.labeled_images is None else int(self.labeled_images.shape[0])
 
 
 @dataclass
@@ -81,6 +122,7 @@ class HubData:
 class HubAlgorithm(ABC):
     name: str = ""
     needs_silos: bool = True
+    needs_validation: bool = False  # the hub config must name a held-out labeled validation split
 
     def __init__(self, options: Any, model_spec: ModelSpec, data: HubData, device: torch.device, seed: int,
                  total_rounds: int):
@@ -110,6 +152,9 @@ class HubAlgorithm(ABC):
 
 class SiloAlgorithm(ABC):
     name: str = ""
+    trains_on_labeled: bool = False  # uses a site's labeled images (SiloData.labeled_images)
+    trains_on_unlabeled: bool = True  # uses a site's unlabeled images (SiloData.images)
+    needs_true_labels: bool = False  # simulation-only ceilings that train on the silos' true labels
 
     def __init__(self, options: Any, model_spec: ModelSpec, device: torch.device):
         self.options = options
@@ -118,6 +163,11 @@ class SiloAlgorithm(ABC):
 
     @abstractmethod
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult: ...
+
+    def result_groups(self, expected: Mapping[str, TensorSpec]) -> dict[str, list[str]]:
+        """The groups of a plan's expected tensors, as the hub half declares them (RoundPlan.groups). The wire
+        carries only `expected`; both halves derive the same groups from it with the algorithm's own code."""
+        return {}
 
 
 def load_model(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], prefix: str = "model/") -> nn.Module:
@@ -130,3 +180,31 @@ def load_model(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], prefix: str
 
 def model_tensors(model: nn.Module, prefix: str = "model/") -> dict[str, torch.Tensor]:
     return {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def weighted_delta(model: nn.Module, start: Mapping[str, torch.Tensor], weight: float,
+                   prefix: str = "delta/") -> dict[str, torch.Tensor]:
+    """weight * (trained - received) for every parameter: what a site sends so the hub needs only sums."""
+    return {f"{prefix}{n}": (p.detach().cpu() - start[n].cpu()) * weight for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def apply_mean_delta(model: nn.Module, summed: Mapping[str, torch.Tensor], total_weight: float,
+                     prefix: str = "delta/") -> None:
+    """w <- w + sum_k(n_k * delta_k) / sum_k(n_k): the weighted mean of the sites' models, from sums alone."""
+    if total_weight <= 0:
+        return
+    for name, param in model.named_parameters():
+        param.add_(summed[f"{prefix}{name}"].to(param.device, param.dtype) / total_weight)
+
+
+def delta_specs(model: nn.Module, prefix: str = "delta/") -> dict[str, TensorSpec]:
+    return {f"{prefix}{n}": TensorSpec.of(p.detach()) for n, p in model.named_parameters()}
+
+
+def groups_by_prefix(expected: Mapping[str, TensorSpec]) -> dict[str, list[str]]:
+    """Group names by their first path component ("S/delta/conv.weight" -> group "S")."""
+    groups: dict[str, list[str]] = {}
+    for name in expected:
+        groups.setdefault(name.split("/", 1)[0], []).append(name)
+    return groups
