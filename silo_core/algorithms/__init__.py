@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from silo_core.algorithms.base import HubAlgorithm, SiloAlgorithm
+from silo_core.algorithms.fedavg_fixmatch import FedAvgFixMatchHub, FedAvgFixMatchOptions, FedAvgFixMatchSilo
 from silo_core.algorithms.fedseal import FedSEALHub, FedSEALOptions, FedSEALSilo
 from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
 from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
+from silo_core.algorithms.supervised import SupervisedHub, SupervisedOptions, SupervisedSilo
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
     "semifl": AlgorithmEntry(SemiFLOptions, SemiFLHub, SemiFLSilo),
     "fedseal": AlgorithmEntry(FedSEALOptions, FedSEALHub, FedSEALSilo),
     "server-only": AlgorithmEntry(ServerOnlyOptions, ServerOnlyHub, None),
+    "fedavg-fixmatch": AlgorithmEntry(FedAvgFixMatchOptions, FedAvgFixMatchHub, FedAvgFixMatchSilo),
+    "supervised": AlgorithmEntry(SupervisedOptions, SupervisedHub, SupervisedSilo),
 }
 
 
