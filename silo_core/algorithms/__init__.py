@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from silo_core.algorithms.base import HubAlgorithm, SiloAlgorithm
 from silo_core.algorithms.fedavg_fixmatch import FedAvgFixMatchHub, FedAvgFixMatchOptions, FedAvgFixMatchSilo
 from silo_core.algorithms.fedseal import FedSEALHub, FedSEALOptions, FedSEALSilo
+from silo_core.algorithms.hassle import HASSLEHub, HASSLEOptions, HASSLESilo
 from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
 from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
 from silo_core.algorithms.supervised import SupervisedHub, SupervisedOptions, SupervisedSilo
@@ -24,6 +25,7 @@ class AlgorithmEntry:
 ALGORITHMS: dict[str, AlgorithmEntry] = {
     "semifl": AlgorithmEntry(SemiFLOptions, SemiFLHub, SemiFLSilo),
     "fedseal": AlgorithmEntry(FedSEALOptions, FedSEALHub, FedSEALSilo),
+    "hassle": AlgorithmEntry(HASSLEOptions, HASSLEHub, HASSLESilo),
     "server-only": AlgorithmEntry(ServerOnlyOptions, ServerOnlyHub, None),
     "fedavg-fixmatch": AlgorithmEntry(FedAvgFixMatchOptions, FedAvgFixMatchHub, FedAvgFixMatchSilo),
     "supervised": AlgorithmEntry(SupervisedOptions, SupervisedHub, SupervisedSilo),
