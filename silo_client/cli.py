@@ -1,4 +1,4 @@
-"""silo-client --data /local/images --hub HOST:PORT --certs DIR: take part in a federation from a branch."""
+"""silo-client --data /local/images [--labeled /local/labeled] --hub HOST:PORT --certs DIR: join a federation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from pathlib import Path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-client", description="Join a silokit federation with local images.")
-    p.add_argument("--data", required=True, type=Path, help="folder of unlabeled images (searched recursively)")
+    p.add_argument("--data", type=Path, help="folder of unlabeled images (searched recursively)")
+    p.add_argument("--labeled", type=Path, metavar="DIR",
+                   help="optional folder of labeled images, one sub-folder per class in the hub's class order "
+                        "(HASSLE trains on them; a fully labeled site may omit --data)")
     p.add_argument("--hub", default="localhost:50051", help="HOST:PORT of the hub (default localhost:50051)")
     p.add_argument("--certs", required=True, type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -25,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.data is None and args.labeled is None:
+        parser.error("give --data (a folder of unlabeled images) and/or --labeled (a folder of labeled images)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = SiloClient(SiloSettings(
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
-            connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels,
+            connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
         ))
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
         return client.run_forever()

@@ -21,9 +21,9 @@ import torch
 
 from security.tls import secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
-from silo_core.algorithms import get_algorithm
+from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
-from silo_core.data import IMAGE_EXTENSIONS, DataError, load_unlabeled_folder
+from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.tensors import (
     CodecError,
@@ -48,18 +48,31 @@ class SiloError(RuntimeError):
 class SiloSettings:
     hub: str
     certs: Path
-    data: Path
+    data: Path | None  # unlabeled images; a fully labeled site may have none
     device: str = "auto"
     state_dir: Path | None = None
     connect_timeout_s: float = 300.0  # give up when the hub has been unreachable this long (0: never)
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
     name: str = ""  # for log lines; identity itself comes from the certificate
+    labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
 
 
 def count_image_files(root: Path) -> int:
     if not root.is_dir():
         raise DataError(f"data folder {root} does not exist; pass --data with the folder of this silo's images")
     return sum(1 for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+
+
+def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) -> None:
+    """Refuse, with what to do, a run this silo's data cannot take part in."""
+    if silo.needs_true_labels and data.true_labels is None:
+        raise SiloError(f"algorithm {algorithm} is the fully supervised ceiling: it trains on the silos' TRUE labels, "
+                        f"which only a simulation has (silo-sim passes them); a real silo cannot take part")
+    has_unlabeled = len(data.images) > 0 and silo.trains_on_unlabeled
+    has_labeled = data.num_labeled > 0 and silo.trains_on_labeled
+    if not (has_unlabeled or has_labeled):
+        need = "--data (unlabeled images)" + (" or --labeled" if silo.trains_on_labeled else "")
+        raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
 
 
 def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
@@ -81,8 +94,12 @@ class SiloClient:
         self.train_lock = train_lock or threading.Lock()
         self.stop_event = stop_event or threading.Event()
         self.device = resolve_device(settings.device)
-        self.num_files = count_image_files(settings.data)
-        if self.num_files == 0:
+        if settings.data is None and settings.labeled is None:
+            raise DataError("no data: pass --data with the folder of this silo's unlabeled images and/or --labeled "
+                            "with a folder of labeled images (one sub-folder per class)")
+        self.num_files = count_image_files(settings.data) if settings.data is not None else 0
+        self.num_labeled_files = count_image_files(settings.labeled) if settings.labeled is not None else 0
+        if self.num_files == 0 and settings.data is not None and self.num_labeled_files == 0:
             raise DataError(f"data folder {settings.data} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"point --data at the folder of this silo's images")
         self.channel = secure_channel(settings.hub, settings.certs, options=[
@@ -101,8 +118,9 @@ class SiloClient:
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
         num_images = len(self.data.images) if self.data is not None else self.num_files
+        num_labeled = self.data.num_labeled if self.data is not None else self.num_labeled_files
         reply = self.stub.Join(silo_pb2.JoinRequest(
-            client_version=VERSION, num_unlabeled=num_images, num_labeled=0, capabilities=["semifl"],
+            client_version=VERSION, num_unlabeled=num_images, num_labeled=num_labeled, capabilities=list(ALGORITHMS),
             device=str(self.device), skipped_images=self.skipped_images,
         ), timeout=30)
         run = reply.run
@@ -115,22 +133,16 @@ class SiloClient:
     def _prepare(self, run: silo_pb2.RunDescription) -> None:
         key = (run.image_size, run.in_channels)
         if self.data is None or self.data_key != key:
-            images = load_unlabeled_folder(self.s.data, run.image_size, run.in_channels)
-            self.skipped_images = len(images.skipped)
-            for path, reason in images.skipped[:5]:
-                self.log.warning("skipped unreadable image %s: %s", path, reason)
-            if images.skipped:
-                self.log.warning("%d of %d image files skipped as unreadable", len(images.skipped), self.num_files)
-            state_dir = self.s.state_dir or (self.s.data.parent / f".silokit-state-{self.s.data.name}")
-            state_dir.mkdir(parents=True, exist_ok=True)
-            self.data = SiloData(images=images.images, true_labels=self._sim_labels(len(images)),
-                                 state_dir=state_dir, silo_id=self.silo_id)
+            self.data = self._load(run)
             self.data_key = key
-            self.log.info("loaded %d images from %s (%d skipped)", len(images), self.s.data, len(images.skipped))
-        self.data.silo_id = self.silo_id
+        self.data.silo_id, self.data.run_id = self.silo_id, run.run_id
         entry = get_algorithm(run.algorithm)
         if entry.silo is None:
             raise SiloError(f"algorithm {run.algorithm} runs at the hub only; silos have nothing to do")
+        check_data_for(run.algorithm, entry.silo, self.data)
+        if self.data.num_labeled and not entry.silo.trains_on_labeled:
+            self.log.warning("algorithm %s does not train on labeled images at silos; the %d in %s are ignored",
+                             run.algorithm, self.data.num_labeled, self.s.labeled)
         options = entry.options.model_validate(json.loads(run.algorithm_options_json or "{}"))
         spec = ModelSpec(
             name=run.model, num_classes=run.num_classes, in_channels=run.in_channels, image_size=run.image_size,
@@ -138,6 +150,34 @@ class SiloClient:
             options=json.loads(run.model_options_json or "{}"),
         )
         self.algorithm = entry.silo(options, spec, self.device)
+
+    def _load(self, run: silo_pb2.RunDescription) -> SiloData:
+        empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)
+        unlabeled, labeled, labels, skipped = empty, None, None, []
+        if self.s.data is not None:
+            images = load_unlabeled_folder(self.s.data, run.image_size, run.in_channels)
+            unlabeled, skipped = images.images, list(images.skipped)
+            self.log.info("loaded %d images from %s (%d skipped)", len(images), self.s.data, len(images.skipped))
+        if self.s.labeled is not None:
+            folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels)
+            if len(folder.classes) != run.num_classes:
+                raise SiloError(f"labeled folder {self.s.labeled} has {len(folder.classes)} class folders but the run "
+                                f"has {run.num_classes} classes; give it one sub-folder per class, in the hub's order "
+                                f"(an empty folder for a class this site has no images of)")
+            labeled, labels = folder.images, folder.labels
+            skipped += [s for s in folder.skipped if not s[1].startswith("not inside")]
+            self.log.info("loaded %d labeled images from %s", len(folder), self.s.labeled)
+        self.skipped_images = len(skipped)
+        for path, reason in skipped[:5]:
+            self.log.warning("skipped unreadable image %s: %s", path, reason)
+        if skipped:
+            self.log.warning("%d of %d image files skipped as unreadable", len(skipped),
+                             self.num_files + self.num_labeled_files)
+        anchor = self.s.data if self.s.data is not None else self.s.labeled
+        state_dir = self.s.state_dir or (anchor.parent / f".silokit-state-{anchor.name}")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=state_dir,
+                        silo_id=self.silo_id, labeled_images=labeled, labels=labels)
 
     def _sim_labels(self, n: int) -> torch.Tensor | None:
         if self.s.sim_labels is None:
@@ -177,13 +217,14 @@ class SiloClient:
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
         tensors = self._download(task)
         plan = RoundPlan(round=task.round, tensors=tensors, hyperparameters=json.loads(task.hyperparameters_json or "{}"),
-                         expected=expected, class_thresholds=list(task.class_thresholds))
+                         expected=expected, class_thresholds=list(task.class_thresholds),
+                         groups=self.algorithm.result_groups(expected))
         started = time.time()
         with self.train_lock:
             result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
         if not result.skipped:
-            check_tensors(result.tensors, expected)  # our own bug must not reach the hub as garbage
+            check_tensors(result.tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
         self._upload(task, result.tensors if not result.skipped else {}, metrics, result.skipped)
         self.rounds_done.append(task.round)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round,
