@@ -27,8 +27,9 @@ console = Console(stderr=False)
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
 # early, a constant LR keeps the hub's fine-tune effective to the last round, and fewer, larger local batches keep
-# a round short on a CPU. hub.yaml defaults stay the paper's.
-DEMO_OPTIONS: dict[str, Any] = {
+# a round short on a CPU. hub.yaml defaults stay the paper's. Every algorithm gets the same budget: 5 hub epochs
+# on the labels before round 1 and per round, 2 local epochs, lr 0.03, so the sim compares like with like.
+_SEMIFL_DEMO: dict[str, Any] = {
     "tau": 0.8,
     "hub_epochs": 5,
     "local_epochs": 2,
@@ -37,20 +38,41 @@ DEMO_OPTIONS: dict[str, Any] = {
     "lr": 0.03,
     "lr_schedule": "constant",
 }
+_FEDAVG_DEMO: dict[str, Any] = {"init_epochs": 5, "hub_epochs": 5, "local_epochs": 2, "silo_batch_size": 32,
+                                "hub_batch_size": 16, "lr": 0.03, "lr_schedule": "constant"}
+DEMO_OPTIONS: dict[str, dict[str, Any]] = {
+    "semifl": _SEMIFL_DEMO,
+    "server-only": _SEMIFL_DEMO,
+    "fedseal": {**_FEDAVG_DEMO, "nesterov": True},
+    "fedavg-fixmatch": {**_FEDAVG_DEMO, "tau": 0.8},
+    "supervised": _FEDAVG_DEMO,
+    "hassle": {"hub_warmup_epochs": 5, "local_epochs": 2, "batch_size": 32, "lr": 0.03, "lr_schedule": "constant"},
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-sim", description=__doc__.splitlines()[0])
     p.add_argument("--silos", type=int, default=4, help="number of simulated silos (default 4; up to 100+)")
     p.add_argument("--rounds", type=int, default=20, help="communication rounds (default 20)")
-    p.add_argument("--algorithm", default="semifl", help="semifl (more come with later releases)")
+    p.add_argument("--algorithm", default="semifl",
+                   help="semifl, fedseal, hassle, server-only, fedavg-fixmatch or supervised (the simulation-only "
+                        "ceiling: silos train on their true labels)")
     p.add_argument("--labels-per-class", type=int, default=25, help="labeled images per class at the hub (default 25)")
     p.add_argument("--unlabeled", type=int, default=None,
                    help="unlabeled images spread over the silos (default: all 6000 bundled minus the hub's labels)")
+    p.add_argument("--test-per-class", type=int, default=None, metavar="N",
+                   help="evaluate on N test images per class (default: all 2000 bundled test images)")
     p.add_argument("--partition", choices=["iid", "classes", "dirichlet"], default="iid")
     p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet alpha (with --partition dirichlet)")
     p.add_argument("--classes-per-silo", type=int, default=2, help="with --partition classes")
     p.add_argument("--silos-per-round", type=float, default=1.0, help="fraction (<=1) or count of silos per round")
+    p.add_argument("--labeled-silos", type=int, default=0, metavar="K",
+                   help="the first K silos are partly labeled (HASSLE trains on their labels; default 0)")
+    p.add_argument("--silo-labels-per-class", type=int, default=5, metavar="N",
+                   help="labeled images per class kept by each partly labeled silo (default 5)")
+    p.add_argument("--validation-per-class", type=int, default=20, metavar="N",
+                   help="held-out labeled validation images per class at the hub, staged for algorithms that need "
+                        "one (FedSEAL's thresholds; default 20)")
     p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
@@ -106,6 +128,8 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.time()
+    if not getattr(args, "needs_silos", True):
+        workers = 0  # a hub-only algorithm (server-only): no silo has anything to do
     hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config)],
                            stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
     procs = [hub]
@@ -120,7 +144,8 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
         for w in range(workers):
             spec = {
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
-                "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data), "state_dir": str(s.state_dir),
+                "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
+                           "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
                            "labels": str(s.labels)} for s in staged.silos[w::workers]],
             }
             spec_path = staged.root / f"worker-{w}.json"
@@ -168,7 +193,8 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     labeled = load_labeled_folder(staged.root / "hub" / "labeled", 28, 1)
     test = load_labeled_folder(staged.root / "hub" / "test", 28, 1)
     spec = ModelSpec(num_classes=len(labeled.classes))
-    opts = ServerOnlyOptions.model_validate(options)
+    # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
+    opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
     dev = resolve_device(device)
     algo = ServerOnlyHub(opts, spec, HubData(labeled.images, labeled.labels), dev, seed, rounds)
     state = algo.init_state()
@@ -215,9 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         from silo_sim.stage import stage_federation
 
         entry = get_algorithm(args.algorithm)
+        args.needs_silos = entry.hub.needs_silos
         if args.silos < 1:
             raise ValueError("--silos must be at least 1")
-        options = {**DEMO_OPTIONS, **parse_options(args.option)}
+        if args.labeled_silos < 0 or args.labeled_silos > args.silos:
+            raise ValueError("--labeled-silos must be between 0 and --silos")
+        options = {**DEMO_OPTIONS.get(args.algorithm, {}), **parse_options(args.option)}
         entry.options.model_validate(options)  # a bad --option fails here, with its name
         cores = os.cpu_count() or 2
         hub_config = {
@@ -226,16 +255,19 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
                        "quorum": 0.5, "deadline_s": 900},
         }
+        extra = {"test_per_class": args.test_per_class, "validation_per_class": args.validation_per_class if entry.hub.needs_validation else None,
+                 "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class}
         if args.export_demo:
             staged = stage_federation(args.export_demo, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                       partition=args.partition, alpha=args.alpha,
                                       classes_per_silo=args.classes_per_silo, unlabeled_limit=args.unlabeled,
-                                      seed=args.seed, hub_config=hub_config)
+                                      seed=args.seed, hub_config=hub_config, **extra)
             print(f"staged a demo federation in {staged.root}:")
             print(f"  hub:   silo-server --config {staged.hub_config}   (port 0 = a free port, written to "
                   f"{staged.hub_state_dir}/port; set server.port to fix it)")
             for s in staged.silos[:3]:
-                print(f"  silo:  silo-client --data {s.data} --certs {s.certs} --hub 127.0.0.1:PORT")
+                data = (f"--data {s.data} " if s.data else "") + (f"--labeled {s.labeled} " if s.labeled else "")
+                print(f"  silo:  silo-client {data}--certs {s.certs} --hub 127.0.0.1:PORT")
             if len(staged.silos) > 3:
                 print(f"  ... and {len(staged.silos) - 3} more silos under {staged.root / 'silos'}")
             return 0
@@ -245,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         staged = stage_federation(workdir, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                   partition=args.partition, alpha=args.alpha, classes_per_silo=args.classes_per_silo,
-                                  unlabeled_limit=args.unlabeled, seed=args.seed, hub_config=hub_config)
+                                  unlabeled_limit=args.unlabeled, seed=args.seed, hub_config=hub_config, **extra)
         console.print(f"staged in {time.time() - t0:.1f}s; starting the hub and {args.silos} silos over mutual TLS")
         _, history, seconds = run_federation(staged, args, args.rounds)
         baseline = None
-        if not args.no_baseline:
+        if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
             baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
         console.print(summary_table(history, baseline, args.algorithm))

@@ -4,8 +4,10 @@ Layout under root:
     pki/ca, pki/hub, pki/silos/<silo>      certificates (silo-certs' layout)
     hub/labeled/<class>/*.png              the hub's labeled images
     hub/test/<class>/*.png                 the hub's test set
+    hub/validation/<class>/*.png           a held-out labeled split (only when asked for: FedSEAL's thresholds)
     silos/<silo>/images/*.png              each silo's unlabeled images
-    silos/<silo>/labels.json               simulation only: true labels, for pseudo-label accuracy
+    silos/<silo>/labeled/<class>/*.png     labeled images of a partly labeled silo (HASSLE), when asked for
+    silos/<silo>/labels.json               simulation only: true labels of images/, for pseudo-label accuracy
     hub.yaml                               the hub's config, as an operator would write it
 """
 
@@ -28,10 +30,12 @@ from silo_core.partition import make_partition, split_labeled_per_class
 class SiloSpec:
     name: str
     certs: Path
-    data: Path
+    data: Path | None  # None when every image of the silo is labeled
     state_dir: Path
     labels: Path
     num_images: int
+    labeled: Path | None = None
+    num_labeled: int = 0
 
 
 @dataclass
@@ -56,6 +60,12 @@ def _stratified(images: ImageSet, per_class: int | None, seed: int) -> ImageSet:
     return images.subset(np.sort(idx))
 
 
+def _take_per_class(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to per_class random positions of every class present (a silo's shard may hold few of a class)."""
+    taken = [rng.permutation(np.flatnonzero(labels == c))[:per_class] for c in np.unique(labels)]
+    return np.sort(np.concatenate(taken)) if taken else np.zeros(0, dtype=np.int64)
+
+
 def stage_federation(
     root: Path,
     *,
@@ -68,13 +78,24 @@ def stage_federation(
     test_per_class: int | None = None,
     seed: int = 0,
     hub_config: dict[str, Any] | None = None,
+    validation_per_class: int | None = None,
+    labeled_silos: int = 0,
+    silo_labels_per_class: int = 0,
 ) -> StagedFederation:
+    """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
+    the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
+    `silo_labels_per_class` images per class of their shard as labeled images (partly labeled sites)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     train, test = load_demo("train"), load_demo("test")
     test = _stratified(test, test_per_class, seed)
     labeled_idx, rest_idx = split_labeled_per_class(train.labels.numpy(), labels_per_class, seed)
     rng = np.random.default_rng(seed)
+    validation = None
+    if validation_per_class:
+        val_pos, keep_pos = split_labeled_per_class(train.labels[rest_idx].numpy(), validation_per_class, seed + 1)
+        validation = train.subset(np.sort(rest_idx[val_pos]))
+        rest_idx = rest_idx[keep_pos]
     rest_idx = rng.permutation(rest_idx)
     if unlabeled_limit is not None:
         rest_idx = rest_idx[:unlabeled_limit]
@@ -88,6 +109,8 @@ def stage_federation(
     issue_hub(ca_dir, root / "pki" / "hub", dns=["localhost"], ips=["127.0.0.1"])
     save_png_folder(hub_labeled, root / "hub" / "labeled", labeled=True)
     save_png_folder(test, root / "hub" / "test", labeled=True)
+    if validation is not None:
+        save_png_folder(validation, root / "hub" / "validation", labeled=True)
 
     staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
                               ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
@@ -95,16 +118,27 @@ def stage_federation(
         name = silo_name(i)
         base = root / "silos" / name
         shard = pool.subset(np.sort(idx))
-        save_png_folder(shard, base / "images", labeled=False)
+        labeled_dir, num_labeled = None, 0
+        if i <= labeled_silos and silo_labels_per_class > 0:
+            picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
+            rest = np.setdiff1d(np.arange(len(shard)), picked)
+            labeled_dir, num_labeled = base / "labeled", len(picked)
+            save_png_folder(shard.subset(picked), labeled_dir, labeled=True)
+            shard = shard.subset(rest)
+        data_dir = base / "images" if len(shard) else None
+        if data_dir is not None:
+            save_png_folder(shard, data_dir, labeled=False)
         (base / "labels.json").write_text(json.dumps([int(v) for v in shard.labels]))
         certs = issue_silo(ca_dir, name, root / "pki" / "silos" / name)
-        staged.silos.append(SiloSpec(name, certs, base / "images", base / "state", base / "labels.json", len(shard)))
+        staged.silos.append(SiloSpec(name, certs, data_dir, base / "state", base / "labels.json", len(shard),
+                                     labeled_dir, num_labeled))
 
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
         "server": {"host": "127.0.0.1", "port": 0, "certs": "pki/hub", "long_poll_s": 5.0, "linger_s": 10.0},
         "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
-                 "test": {"kind": "imagefolder", "path": "hub/test"}},
+                 "test": {"kind": "imagefolder", "path": "hub/test"},
+                 **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},
         "model": {"name": "small_cnn", "image_size": 28, "in_channels": 1},
         "algorithm": {"name": "semifl", "options": {}},
         "rounds": {"total": 5, "silos_per_round": 1.0, "min_silos": num_silos, "quorum": 0.5},

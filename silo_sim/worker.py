@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         client = None
         try:
             client = SiloClient(SiloSettings(
-                hub=spec["hub"], certs=Path(entry["certs"]), data=Path(entry["data"]), device=spec.get("device", "cpu"),
+                hub=spec["hub"], certs=Path(entry["certs"]), data=Path(entry["data"]) if entry.get("data") else None,
+                labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
             ), train_lock=train_lock, stop_event=stop)
