@@ -1,7 +1,9 @@
-"""The README's config reference must cover every hub.yaml key and every SemiFL option the code accepts."""
+"""The README's config reference must cover every hub.yaml key and every option of every algorithm."""
 
 from pathlib import Path
 
+from silo_core.algorithms import ALGORITHMS
+from silo_core.algorithms.base import SGDOptions, StrongAugmentOptions
 from silo_core.algorithms.semifl import SemiFLOptions
 from silo_server.config import DataSource, HubConfig
 
@@ -25,9 +27,52 @@ def test_every_data_source_key_and_semifl_option_is_documented():
     assert not missing, f"undocumented SemiFL options: {missing}"
 
 
+def readme_section(name: str) -> str:
+    """The README text from `<!-- options:NAME -->` to the next options marker."""
+    start = README.index(f"<!-- options:{name} -->")
+    end = README.index("<!-- options:", start + 1)
+    return README[start:end]
+
+
+# server-only takes SemiFL's options; options shared through base.py are documented once, in the shared table.
+SECTION = {"server-only": "semifl"}
+SHARED = set(SGDOptions.model_fields) | set(StrongAugmentOptions.model_fields)
+
+
+def test_every_option_of_every_algorithm_is_documented_in_its_section():
+    missing = []
+    for name, entry in ALGORITHMS.items():
+        own = readme_section(SECTION.get(name, name))
+        shared = readme_section("shared")
+        for key in entry.options.model_fields:
+            in_shared = key in SHARED and name not in ("semifl", "server-only")
+            if f"`{key}`" not in own and not (in_shared and f"`{key}`" in shared):
+                missing.append(f"{name}.{key}")
+    assert not missing, f"undocumented algorithm options: {missing}"
+    assert all(f"`{name}`" in README for name in ALGORITHMS)
+
+
 def test_quickstart_gives_the_two_commands_and_ci_runs_the_second_verbatim():
     assert 'pip install -e . && silo-sim' in README
     test_command = 'pip install -e ".[dev]" && pytest'
     assert test_command in README
     ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
     assert test_command in ci.splitlines()
+
+
+def test_every_algorithm_block_in_docs_algorithms_is_a_valid_config_section():
+    import re
+
+    import yaml
+
+    from silo_server.config import parse_config
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "algorithms.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    names = []
+    for block in blocks:
+        data = block.get("data", {"labeled": {"kind": "demo"}})
+        config = parse_config({"data": data, "algorithm": block["algorithm"]})
+        config.algorithm.parsed_options()
+        names.append(config.algorithm.name)
+    assert sorted(names) == sorted(ALGORITHMS)
