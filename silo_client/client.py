@@ -177,7 +177,7 @@ class SiloClient:
         state_dir = self.s.state_dir or (anchor.parent / f".silokit-state-{anchor.name}")
         state_dir.mkdir(parents=True, exist_ok=True)
         return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=state_dir,
-                        silo_id=self.silo_id, labeled_images=labeled, labels=labels)
+                        silo_id=self.silo_id, labeled_images=labeled, labeled_labels=labels)
 
     def _sim_labels(self, n: int) -> torch.Tensor | None:
         if self.s.sim_labels is None:

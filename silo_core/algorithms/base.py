@@ -95,15 +95,16 @@ class SiloResult:
 
 @dataclass
 class SiloData:
-    """A site's local data: unlabeled images (uint8 N x C x H x W, possibly none) and, where the site has them,
-    labeled images with their labels (HASSLE: any site may hold labeled data, unlabeled data, or both)."""
+    """A site's local data: images (uint8 N x C x H x W, possibly none) and, where the site has them, a separate
+    set of labeled images (HASSLE: any site may hold labeled data, unlabeled data, or both)."""
 
     images: torch.Tensor
-    labels: torch.Tensor | None = None  # labels of labeled_images
+    labels: torch.Tensor | None = None  # labels of `images`, only where the site has them
     true_labels: torch.Tensor | None = None  # simulation only: the true labels of `images`
     state_dir: Path | None = None  # where a silo half may persist its own state across restarts
     silo_id: str = ""
-    labeled_images: torch.Tensor | None = None
+    labeled_images: torch.Tensor | None = None  # a site's labeled images (silo-client --labeled) ...
+    labeled_labels: torch.Tensor | None = None  # ... and their labels
     run_id: str = ""  # the hub's run: state a silo half persists is kept per run
 
     @property

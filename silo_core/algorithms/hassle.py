@@ -218,7 +218,7 @@ class HASSLEHub(HubAlgorithm):
             plan = self.begin_round(state)  # the very plan the silos trained on
             empty = self.data.labeled_images[:0]
             hub = self._site.local_update(plan, SiloData(images=empty, labeled_images=self.data.labeled_images,
-                                                         labels=self.data.labeled_labels, silo_id="hub"))
+                                                         labeled_labels=self.data.labeled_labels, silo_id="hub"))
             for name, value in hub.tensors.items():
                 sums[name] = sums[name] + value if name in sums else value.clone()
             metrics["hub_loss"] = hub.metrics.get("loss_S", float("nan"))
@@ -298,9 +298,10 @@ class HASSLESilo(SiloAlgorithm):
         tensors: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
         if data.num_labeled >= 2:
-            if data.labels is None or len(data.labels) != data.num_labeled:
-                raise ValueError("labeled images need one label each (SiloData.labels)")
-            t, m = self._dual_update(plan, data.labeled_images, data.labels, "S", "U", o.temperature_supervised, gen)
+            if data.labeled_labels is None or len(data.labeled_labels) != data.num_labeled:
+                raise ValueError("labeled images need one label each (SiloData.labeled_labels)")
+            t, m = self._dual_update(plan, data.labeled_images, data.labeled_labels, "S", "U",
+                                     o.temperature_supervised, gen)
             tensors.update(t)
             metrics.update(m)
         if len(data.images) >= 2:

@@ -22,7 +22,7 @@ def test_supervised_ceiling_needs_simulation_labels():
 
 
 def test_a_labeled_only_site_can_join_hassle_but_not_semifl():
-    labeled = SiloData(images=EMPTY, labeled_images=SOME, labels=torch.zeros(4, dtype=torch.int64))
+    labeled = SiloData(images=EMPTY, labeled_images=SOME, labeled_labels=torch.zeros(4, dtype=torch.int64))
     check_data_for("hassle", ALGORITHMS["hassle"].silo, labeled)
     with pytest.raises(SiloError, match="pass --data"):
         check_data_for("semifl", ALGORITHMS["semifl"].silo, labeled)

@@ -103,8 +103,8 @@ def test_sites_upload_only_what_they_trained_and_the_hub_takes_count_weighted_me
     plan = hub.begin_round(state)
     silo = HASSLESilo(hub.options, SPEC, CPU)
     sites = {
-        "labeled": SiloData(images=images(0, 1), labeled_images=images(6, 2), labels=torch.arange(6), silo_id="a"),
-        "partly": SiloData(images=images(8, 3), labeled_images=images(2, 4), labels=torch.tensor([3, 4]),
+        "labeled": SiloData(images=images(0, 1), labeled_images=images(6, 2), labeled_labels=torch.arange(6), silo_id="a"),
+        "partly": SiloData(images=images(8, 3), labeled_images=images(2, 4), labeled_labels=torch.tensor([3, 4]),
                            true_labels=torch.arange(8), silo_id="b"),
         "unlabeled": SiloData(images=images(5, 5), silo_id="c"),
     }
