@@ -161,3 +161,11 @@ def test_ensemble_inference_is_the_mean_of_the_two_complemented_models():
     assert torch.equal(served.supervised.classifier.weight, state.tensors["prevS/classifier.weight"])
     assert torch.equal(served.residual_us.classifier.weight, state.tensors["rUS/classifier.weight"])
     assert not served.training
+
+
+def test_residual_models_start_by_adding_nothing():
+    state = make_hub().init_state()
+    for key in ("rUS", "rSU"):
+        residual = load_model(SPEC.scaled(0.25), state.tensors, prefix=f"{key}/").eval()
+        with torch.no_grad():
+            assert float(residual(torch.randn(3, 1, 28, 28)).abs().max()) == 0.0
