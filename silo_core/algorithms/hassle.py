@@ -23,7 +23,8 @@ complements S with what U knows, r_SU complements U with what S knows. As this f
     served: ( f(x; S_{t-1}) + f(x; r_US_t)  +  f(x; U_{t-1}) + f(x; r_SU_t) ) / 2                 (the ensemble)
 
 Each model is one tensor GROUP of the plan: a site uploads only the groups it trained (RoundPlan.groups), and every
-group carries its own count [n, 1], so the hub learns both the weight and how many sites sent it, from sums alone.
+group carries its own weight (`S/delta/*` = n * delta, `S/weight` = n: the usual convention, per group), so the hub
+weights each model by the right counts from sums alone. A site also reports `sent_<model>` = 1 in its metrics.
 The KL target adds r_SU to U (the shared papers notes' reading of the authors' code; Eq. 7 writes U - S alone).
 """
 
@@ -211,7 +212,7 @@ class HASSLEHub(HubAlgorithm):
         expected: dict[str, TensorSpec] = {}
         for key in MODELS:
             expected.update(delta_specs(self._model(state, key), prefix=f"{key}/delta/"))
-            expected[f"{key}/count"] = TensorSpec((2,), "float32")
+            expected[f"{key}/weight"] = TensorSpec((1,), "float32")
         return RoundPlan(round=r, tensors=tensors, hyperparameters={"lr": o.lr_at(r, self.total_rounds),
                                                                     "seed": self.seed},
                          expected=expected, groups=groups_by_prefix(expected))
@@ -223,9 +224,8 @@ class HASSLEHub(HubAlgorithm):
         sums = {k: v.clone() for k, v in summed.items()}
         metrics: dict[str, float] = {}
         for key in MODELS:  # what the silos sent, before the hub adds its own update
-            count = sums.get(f"{key}/count", torch.zeros(2))
-            metrics[f"contributors_{key}"] = float(count[1])
-            metrics[f"samples_{key}"] = float(count[0])
+            metrics[f"contributors_{key}"] = float(summed_metrics.get(f"sent_{key}", 0.0))
+            metrics[f"samples_{key}"] = float(sums[f"{key}/weight"].sum()) if f"{key}/weight" in sums else 0.0
         if o.hub_participates:
             plan = self.begin_round(state)  # the very plan the silos trained on
             empty = self.data.labeled_images[:0]
@@ -240,7 +240,7 @@ class HASSLEHub(HubAlgorithm):
                             if k.startswith(f"{key}/")})
         for key in MODELS:
             model = self._model(state, key)
-            weight = float(sums[f"{key}/count"][0]) if f"{key}/count" in sums else 0.0
+            weight = float(sums[f"{key}/weight"].sum()) if f"{key}/weight" in sums else 0.0
             apply_mean_delta(model, sums, weight, prefix=f"{key}/delta/")  # Eq. 1 / 10 from sums
             self._static_bn(model)
             tensors.update(model_tensors(model, f"{key}/"))
@@ -268,7 +268,7 @@ class HASSLESilo(SiloAlgorithm):
     def _dual_update(self, plan: RoundPlan, images: torch.Tensor, labels: torch.Tensor, own: str, other: str,
                      temperature: float, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Train model `own` (S or U) with proximity to the global `other`, and its residual r_{other,own}, on
-        (images, labels); return n * delta and the count for both groups."""
+        (images, labels); return n * delta and n for both groups."""
         o, spec, device = self.options, self.model_spec, self.device
         specs = _specs(spec, o)
         res = f"r{other}{own}"  # r_US complements S, r_SU complements U
@@ -301,8 +301,9 @@ class HASSLESilo(SiloAlgorithm):
         tensors: dict[str, torch.Tensor] = {}
         for key, net in ((own, model), (res, residual)):
             tensors.update(weighted_delta(net, starts[key], n, prefix=f"{key}/delta/"))
-            tensors[f"{key}/count"] = torch.tensor([n, 1.0])
-        return tensors, {f"loss_{own}": loss_model / max(steps, 1), f"loss_{res}": loss_res / max(steps, 1)}
+            tensors[f"{key}/weight"] = torch.tensor([n])
+        return tensors, {f"loss_{own}": loss_model / max(steps, 1), f"loss_{res}": loss_res / max(steps, 1),
+                         f"sent_{own}": 1.0, f"sent_{res}": 1.0}
 
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult:
         o, spec, device = self.options, self.model_spec, self.device

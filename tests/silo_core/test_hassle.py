@@ -123,7 +123,7 @@ def test_sites_upload_only_what_they_trained_and_the_hub_takes_count_weighted_me
     for key in MODELS:
         before = dict(load_model(hub.specs[key], state.tensors, prefix=f"{key}/").named_parameters())
         after = dict(load_model(hub.specs[key], new.tensors, prefix=f"{key}/").named_parameters())
-        local = [(float(r.tensors[f"{key}/count"][0]), r) for r in results.values() if f"{key}/count" in r.tensors]
+        local = [(float(r.tensors[f"{key}/weight"]), r) for r in results.values() if f"{key}/weight" in r.tensors]
         total = sum(n for n, _ in local)
         for name, w in before.items():
             # W_k = W + delta_k (a site sent n_k * delta_k); the hub must land on sum n_k W_k / sum n_k.
