@@ -46,7 +46,8 @@ DEMO_OPTIONS: dict[str, dict[str, Any]] = {
     "fedseal": {**_FEDAVG_DEMO, "nesterov": True},
     "fedavg-fixmatch": {**_FEDAVG_DEMO, "tau": 0.8},
     "supervised": _FEDAVG_DEMO,
-    "hassle": {"hub_warmup_epochs": 5, "local_epochs": 2, "batch_size": 32, "lr": 0.03, "lr_schedule": "constant"},
+    "hassle": {"hub_warmup_epochs": 5, "hub_epochs": 5, "hub_batch_size": 16, "local_epochs": 2, "batch_size": 32,
+               "lr": 0.03, "lr_schedule": "constant"},
 }
 
 

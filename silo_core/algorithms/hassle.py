@@ -97,6 +97,8 @@ class HASSLEOptions(SGDOptions):
     inference: Literal["ensemble", "supervised", "unsupervised"] = Field(
         "ensemble", description="the served model: mean of both logit sums, S + r_US, or U + r_SU")
     hub_participates: bool = Field(True, description="the hub trains S and r_US on its labels as a site")
+    hub_epochs: int | None = Field(None, ge=1, description="the hub's epochs as a site; default local_epochs")
+    hub_batch_size: int | None = Field(None, ge=2, description="the hub's batch size as a site; default batch_size")
     hub_warmup_epochs: int = Field(0, ge=0, description="epochs of S on the hub's labels before round 1, copied to U "
                                                         "(0: the paper's plain initialisation)")
 
@@ -177,7 +179,10 @@ class HASSLEHub(HubAlgorithm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.specs = _specs(self.model_spec, self.options)
-        self._site = HASSLESilo(self.options, self.model_spec, self.device)  # the hub as a labeled site
+        o = self.options
+        site = o.model_copy(update={"local_epochs": o.hub_epochs or o.local_epochs,
+                                    "batch_size": o.hub_batch_size or o.batch_size})
+        self._site = HASSLESilo(site, self.model_spec, self.device)  # the hub as a labeled site
 
     def _model(self, state: HubState, key: str) -> nn.Module:
         return load_model(self.specs[key], state.tensors, prefix=f"{key}/")
@@ -192,7 +197,8 @@ class HASSLEHub(HubAlgorithm):
         supervised = self.specs["S"].build()
         loss = train_supervised(
             supervised, self.data.labeled_images, self.data.labeled_labels, epochs=o.hub_warmup_epochs,
-            batch_size=o.batch_size, lr=o.lr_at(1, self.total_rounds), opt=o.optimizer(), mean=self.model_spec.mean,
+            batch_size=o.hub_batch_size or o.batch_size, lr=o.lr_at(1, self.total_rounds), opt=o.optimizer(),
+            mean=self.model_spec.mean,
             std=self.model_spec.std, device=self.device, generator=seeded_generator(self.seed, 0, 1), flip=o.flip,
         )
         models = {"S": supervised, "U": copy.deepcopy(supervised), "rUS": zero_output(self.specs["rUS"].build()),
