@@ -141,7 +141,8 @@ def test_the_hub_is_a_labeled_site_that_trains_s_and_r_us_only():
     new, metrics = hub.finish_round(state, {}, {})
     assert metrics["contributors_S"] == 0 and math.isfinite(metrics["hub_loss"])
     assert (hub._site.options.local_epochs, hub._site.options.batch_size) == (1, 4)  # the hub's own schedule...
-    assert (make_hub(hub_epochs=3, hub_batch_size=8)._site.options.local_epochs, 3) == (3, 3)  # ...when given
+    site = make_hub(hub_epochs=3, hub_batch_size=8)._site.options
+    assert (site.local_epochs, site.batch_size) == (3, 8)  # ...when given
     moved = {key: not torch.allclose(new.tensors[f"{key}/classifier.weight"], state.tensors[f"{key}/classifier.weight"])
              for key in MODELS}
     assert moved == {"S": True, "rUS": True, "U": False, "rSU": False}
