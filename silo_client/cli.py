@@ -13,7 +13,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-client", description="Join a silokit federation with local images.")
     p.add_argument("--data", required=True, type=Path, help="folder of unlabeled images (searched recursively)")
     p.add_argument("--hub", default="localhost:50051", help="HOST:PORT of the hub (default localhost:50051)")
-    p.add_argument("--certs", required=True, type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem")
+    p.add_argument("--certs", type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem (required)")
+    p.add_argument("--insecure-dev-only", action="store_true",
+                   help="DEVELOPMENT ONLY: plaintext to a `silo-server --insecure-dev-only` hub on this machine, "
+                        "without certificates; needs --silo-id. Never with real data")
+    p.add_argument("--silo-id", help="with --insecure-dev-only: the silo id to declare (with TLS the id is the "
+                                     "certificate's name)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--state-dir", type=Path, help="where this silo keeps its own state (default beside --data)")
     p.add_argument("--connect-timeout", type=float, default=300.0,
@@ -24,8 +29,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.insecure_dev_only:
+        if not args.silo_id:
+            parser.error("--insecure-dev-only needs --silo-id NAME (there is no certificate to name this silo)")
+        if args.certs:
+            parser.error("--certs and --insecure-dev-only exclude each other: drop --insecure-dev-only to use TLS")
+    else:
+        if args.silo_id:
+            parser.error("--silo-id only applies with --insecure-dev-only; with TLS the id is the certificate's name")
+        if not args.certs:
+            parser.error("the following arguments are required: --certs (a bundle from `silo-certs issue-silo`)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_mode(parser, args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -43,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         client = SiloClient(SiloSettings(
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels,
+            insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None,
         ))
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
         return client.run_forever()

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from security.tls import secure_channel
+from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
@@ -47,13 +47,15 @@ class SiloError(RuntimeError):
 @dataclass
 class SiloSettings:
     hub: str
-    certs: Path
+    certs: Path | None  # None only with insecure_dev_silo_id
     data: Path
     device: str = "auto"
     state_dir: Path | None = None
     connect_timeout_s: float = 300.0  # give up when the hub has been unreachable this long (0: never)
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
     name: str = ""  # for log lines; identity itself comes from the certificate
+    # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
+    insecure_dev_silo_id: str | None = None
 
 
 def count_image_files(root: Path) -> int:
@@ -85,10 +87,18 @@ class SiloClient:
         if self.num_files == 0:
             raise DataError(f"data folder {settings.data} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"point --data at the folder of this silo's images")
-        self.channel = secure_channel(settings.hub, settings.certs, options=[
+        options = [
             ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 0),
-        ])
+        ]
+        if settings.insecure_dev_silo_id:
+            self.log.warning("INSECURE DEVELOPMENT MODE: plaintext to %s, declaring silo id %s without a certificate; "
+                             "never use this with real data", settings.hub, settings.insecure_dev_silo_id)
+            self.channel = insecure_dev_channel(settings.hub, settings.insecure_dev_silo_id, options)
+        elif settings.certs is None:
+            raise SiloError("no certificate bundle given: pass --certs with a bundle from `silo-certs issue-silo`")
+        else:
+            self.channel = secure_channel(settings.hub, settings.certs, options=options)
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
         self.silo_id = ""

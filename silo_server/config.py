@@ -8,6 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.models import MODELS
 
@@ -120,6 +121,33 @@ class WireSection(_Strict):
     half_precision: bool = Field(False, description="send the model as float16 (halves bytes down)")
 
 
+class SecuritySection(_Strict):
+    """What the hub enforces beyond the TLS handshake (see docs/security.md)."""
+
+    crl: Path | None = Field(
+        None, description="the CA's crl.pem, checked on every call and reloaded when it changes "
+        "(default: crl.pem in server.certs)"
+    )
+    allowed_silos: list[str] | None = Field(
+        None, description="silo ids allowed in; others are refused even with a valid certificate (default: any)"
+    )
+    max_update_norm: float | None = Field(
+        None, gt=0, description="refuse an update whose L2 norm (delta tensors / weight) exceeds this (default: no bound)"
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> SecuritySection:
+        if self.allowed_silos is not None:
+            for name in self.allowed_silos:
+                try:
+                    validate_silo_name(name)
+                except PkiError as e:
+                    raise ValueError(str(e)) from None
+            if len(set(self.allowed_silos)) != len(self.allowed_silos):
+                raise ValueError("allowed_silos lists a silo twice")
+        return self
+
+
 class HubConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection)
     server: ServerSection = Field(default_factory=ServerSection)
@@ -128,6 +156,7 @@ class HubConfig(_Strict):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     rounds: RoundsSection = Field(default_factory=RoundsSection)
     wire: WireSection = Field(default_factory=WireSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

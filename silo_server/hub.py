@@ -2,10 +2,12 @@
 
 Plain Python, no gRPC: the servicer (silo_server/servicer.py) is a thin shell that passes the caller's verified
 certificate identity and the message in, and maps a Refusal to a gRPC status. Tests drive this class directly.
+Every field a silo sends goes through security.validation before it is used.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import random
@@ -19,22 +21,16 @@ from typing import Any
 
 import torch
 
+from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
-from silo_core.tensors import (
-    ChunkAssembler,
-    CodecError,
-    TensorSpec,
-    check_tensors,
-    decode,
-    encode,
-    sha256_hex,
-)
+from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
 from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
 
 log = logging.getLogger("silo_server")
 
 PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "failed")
+CERT_WARN_DAYS = 14.0  # certificates closer to expiry than this are logged as warnings
 
 
 class Refusal(Exception):
@@ -109,6 +105,7 @@ class Hub:
         max_attempts: int = 5,
         liveness_s: float = 60.0,
         max_upload_bytes: int = 512 << 20,
+        max_update_norm: float | None = None,
         half_precision: bool = False,
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -124,6 +121,7 @@ class Hub:
         self.max_attempts = max_attempts
         self.liveness_s = liveness_s
         self.max_upload_bytes = max_upload_bytes
+        self.max_update_norm = max_update_norm
         self.half_precision = half_precision
         self.evaluate = evaluate
         self.on_round = on_round
@@ -136,6 +134,8 @@ class Hub:
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.refusals: dict[str, int] = {}
+        # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
+        self.cert_not_after: dict[str, dt.datetime] = {}
         self.stop_event = threading.Event()
         self.state: HubState | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -165,8 +165,29 @@ class Hub:
         record.last_seen = time.time()
         return record
 
+    @property
+    def cert_days_left(self) -> dict[str, float]:
+        """Days until each known certificate expires: "hub" for the hub's own, silo ids for the silos'."""
+        now = dt.datetime.now(dt.UTC)
+        return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
+
+    def evict(self, silo_id: str) -> None:
+        """Stop sampling a silo whose certificate was revoked (its record stays for the model card)."""
+        with self.cond:
+            record = self.silos.get(silo_id)
+            if record is not None:
+                record.last_seen = 0.0
+
+    def validate(self, silo_id: str | None, check: Callable[[], Any]) -> Any:
+        """Run a security.validation check; its failure becomes a counted, logged Refusal."""
+        try:
+            return check()
+        except validation.Invalid as e:
+            raise self.refuse(silo_id, e.code, e.reason, e.message) from None
+
     def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0
              ) -> dict[str, Any]:
+        self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
         with self.cond:
             record = self.silos.get(silo_id) or SiloRecord(silo_id)
             record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
@@ -174,8 +195,12 @@ class Hub:
             record.last_seen = time.time()
             self.silos[silo_id] = record
             self.cond.notify_all()
-        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s)", silo_id, num_unlabeled,
-                 num_labeled, device)
+        days = self.cert_days_left.get(silo_id)
+        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s%s)", silo_id, num_unlabeled,
+                 num_labeled, device, "" if days is None else f", certificate expires in {days:.0f} days")
+        if days is not None and days < CERT_WARN_DAYS:
+            log.warning("the certificate of silo %s expires in %.1f days: renew it (`silo-certs renew %s`)",
+                        silo_id, days, silo_id)
         return self.run_description
 
     def _check_run(self, silo_id: str, run_id: str) -> None:
@@ -185,6 +210,7 @@ class Hub:
 
     def next_task(self, silo_id: str, run_id: str, wait_s: float) -> TaskView:
         end = time.time() + wait_s
+        self.validate(silo_id, lambda: validation.check_id("run_id", run_id))
         with self.cond:
             self._check_run(silo_id, run_id)
             self._touch(silo_id)
@@ -219,6 +245,7 @@ class Hub:
         return t
 
     def download(self, silo_id: str, run_id: str, task_id: str) -> bytes:
+        self.validate(silo_id, lambda: (validation.check_id("run_id", run_id), validation.check_id("task_id", task_id)))
         with self.cond:
             self._check_run(silo_id, run_id)
             self._touch(silo_id)
@@ -229,33 +256,31 @@ class Hub:
 
     def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """Validate a whole result before it touches the round's sums; any fault refuses it and changes nothing."""
+        h = self.validate(silo_id, lambda: validation.check_upload_header(header))
         with self.cond:
-            self._check_run(silo_id, header.get("run_id", ""))
-            self._touch(silo_id)
-            t = self._task_of(silo_id, header.get("task_id", ""))
-            if int(header.get("round", -1)) != t.round:
+            self._check_run(silo_id, h.run_id)
+            record = self._touch(silo_id)
+            t = self._task_of(silo_id, h.task_id)
+            if h.round != t.round:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "wrong_round",
-                                  f"upload names round {header.get('round')}, current round is {t.round}")
+                                  f"upload names round {h.round}, current round is {t.round}")
             if silo_id in t.reported:
                 raise self.refuse(silo_id, "ALREADY_EXISTS", "duplicate", f"silo {silo_id} already reported round "
                                   f"{t.round}")
-        metrics = {str(k): float(v) for k, v in dict(header.get("metrics", {})).items()}
-        if not all(map(_finite, metrics.values())):
-            raise self.refuse(silo_id, "INVALID_ARGUMENT", "bad_metrics", "metrics hold NaN or infinite values")
-        skipped = bool(header.get("skipped", False))
-        total = int(header.get("total_bytes", 0))
-        tensors: dict[str, torch.Tensor] = {}
-        try:
-            assembler = ChunkAssembler(total, self.max_upload_bytes)
-            for offset, data in chunks:
-                assembler.add(offset, data)
-            payload = assembler.finish(str(header.get("sha256", "")))
-            if not skipped:
-                tensors = decode(payload, self.max_upload_bytes)
-                check_tensors(tensors, t.plan.expected)
-        except CodecError as err:
-            code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
-            raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+            # A silo's weight counts its images; it cannot exceed what the silo declared when it joined.
+            max_weight = float(max(1, record.num_unlabeled + record.num_labeled))
+        metrics, skipped, total = h.metrics, h.skipped, h.total_bytes
+
+        def read() -> dict[str, torch.Tensor]:
+            payload = validation.read_stream(total, h.sha256, chunks, self.max_upload_bytes,
+                                             still_open=lambda: t.open and self.task is t)
+            if skipped:
+                return {}
+            tensors = validation.decode_tensors(payload)
+            validation.check_update(tensors, t.plan.expected, self.max_update_norm, max_weight)
+            return tensors
+
+        tensors = self.validate(silo_id, read)
         with self.cond:
             if self.task is not t or not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
@@ -391,9 +416,22 @@ class Hub:
             self.task = None
             self.round = state.round
         log.info("round %d done: %s", state.round, json.dumps({k: _short(v) for k, v in entry.items()}))
+        self._log_security()
         if self.on_round is not None:
             self.on_round(entry)
         return state
+
+    def _log_security(self) -> None:
+        """Once a round: certificate expiry (hub and the soonest silo) and the refusals so far, by reason."""
+        days = self.cert_days_left
+        parts = [f"hub {days.pop('hub'):.1f}"] if "hub" in days else []
+        if days:
+            soonest = min(days, key=days.__getitem__)
+            parts.append(f"{len(days)} silos, soonest {soonest} {days[soonest]:.1f}")
+        if parts:
+            log.info("certificate days left: %s", "; ".join(parts))
+        if self.refusals:
+            log.info("refusals so far: %s", json.dumps(dict(sorted(self.refusals.items()))))
 
     def run(self) -> HubState:
         """Resume or start, run every remaining round, and return the final state."""
@@ -413,10 +451,6 @@ class Hub:
         self.stop_event.set()
         with self.cond:
             self.cond.notify_all()
-
-
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))
 
 
 def _short(v: Any) -> Any:

@@ -1,4 +1,8 @@
-"""The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses."""
+"""The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses.
+
+Every call first passes the PeerGate (security/gate.py: certificate, CRL, expiry, allowlist); every field is then
+validated (security/validation.py) before the hub acts on it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from security.tls import peer_identity
+from security import validation
+from security.gate import AccessDenied, PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Hub, Refusal
@@ -34,17 +39,24 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
 
 
 class FederationServicer(silo_pb2_grpc.FederationServicer):
-    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int):
+    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None):
         self.hub = hub
         self.long_poll_s = long_poll_s
         self.chunk_bytes = chunk_bytes
+        self.gate = gate or PeerGate()
 
     def _identity(self, context: grpc.ServicerContext) -> str:
-        silo_id = peer_identity(context)
-        if not silo_id:
-            self.hub.refuse(None, "UNAUTHENTICATED", "no_identity", "no verified client certificate")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate issued by the federation CA is required")
-        return silo_id
+        try:
+            peer = self.gate.admit(context)
+        except AccessDenied as denied:
+            if denied.reason == "revoked" and denied.silo_id:
+                self.hub.evict(denied.silo_id)  # never sampled again
+            who = denied.silo_id or f"unidentified peer {context.peer()}"
+            self.hub.refuse(who, denied.code, denied.reason, denied.message)
+            context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
+        if peer.not_after is not None:
+            self.hub.cert_not_after[peer.silo_id] = peer.not_after
+        return peer.silo_id
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, refusal: Refusal):
@@ -53,6 +65,9 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
     def Join(self, request, context):
         silo_id = self._identity(context)
         try:
+            # The fields the hub core does not see are checked here; the rest in Hub.join.
+            self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
+                                                                            request.capabilities))
             desc = self.hub.join(silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
                                  int(request.skipped_images))
         except Refusal as r:
@@ -107,7 +122,9 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         def chunks():
             for message in request_iterator:
                 if message.WhichOneof("part") != "chunk":
-                    raise Refusal("INVALID_ARGUMENT", "bad_stream", "only chunks may follow the upload header")
+                    # Raised inside the hub's stream check, so it is counted and logged like any refusal.
+                    raise validation.Invalid("INVALID_ARGUMENT", "bad_stream",
+                                             "only chunks may follow the upload header")
                 yield message.chunk.offset, message.chunk.data
 
         try:

@@ -122,7 +122,7 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     upload(hub, sampled[1], wait_task(hub, sampled[1]), result(4.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0))
-    assert hub.refusals == {"not_sampled": 1, "bad_payload": 2, "wrong_round": 1, "duplicate": 1}
+    assert hub.refusals == {"not_sampled": 1, "bad_tensors": 1, "non_finite": 1, "wrong_round": 1, "duplicate": 1}
     with pytest.raises(Refusal) as stale:
         upload(hub, first, view, result(2.0))
     assert stale.value.code == "FAILED_PRECONDITION"
