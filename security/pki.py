@@ -322,8 +322,10 @@ def _issue_bundle(
     _refuse_existing(out_dir / f for f in files)
     ca_cert, ca_key = load_ca(ca_dir, passphrase)
 
-    now = _now() if not_before is None else not_before + _CLOCK_SKEW
-    not_after = now + dt.timedelta(days=days)
+    now = _now()
+    # Backdated a little by default (clock skew); an explicit not_before is taken as is and counts the days.
+    valid_from = now - _CLOCK_SKEW if not_before is None else not_before
+    not_after = (now if not_before is None else not_before) + dt.timedelta(days=days)
     if not_after > ca_cert.not_valid_after_utc:
         # A leaf that outlives its CA would fail verification on the day the CA expires anyway; say so now.
         raise PkiError(
@@ -338,7 +340,7 @@ def _issue_bundle(
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_before(valid_from)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(

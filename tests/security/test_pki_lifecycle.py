@@ -45,6 +45,7 @@ def test_not_before_in_the_past_makes_an_already_expired_certificate(ca: Path, t
     out = pki.issue_silo(ca, "old", tmp_path / "old", days=30, not_before=start)
     cert = _cert(out / "cert.pem")
     assert cert.not_valid_before_utc == start.replace(microsecond=0)
+    assert cert.not_valid_after_utc == (start + dt.timedelta(days=30)).replace(microsecond=0)
     assert pki.cert_days_left((out / "cert.pem").read_bytes()) == pytest.approx(-10.0, abs=0.01)
     entry = pki.load_inventory(ca)[-1]
     assert pki.display_status(entry, [entry]) == "expired"
