@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
@@ -135,17 +135,17 @@ class SecuritySection(_Strict):
         None, gt=0, description="refuse an update whose L2 norm (delta tensors / weight) exceeds this (default: no bound)"
     )
 
-    @model_validator(mode="after")
-    def _names(self) -> SecuritySection:
-        if self.allowed_silos is not None:
-            for name in self.allowed_silos:
-                try:
-                    validate_silo_name(name)
-                except PkiError as e:
-                    raise ValueError(str(e)) from None
-            if len(set(self.allowed_silos)) != len(self.allowed_silos):
-                raise ValueError("allowed_silos lists a silo twice")
-        return self
+    @field_validator("allowed_silos")
+    @classmethod
+    def _names(cls, names: list[str] | None) -> list[str] | None:
+        for name in names or []:
+            try:
+                validate_silo_name(name)
+            except PkiError as e:
+                raise ValueError(str(e)) from None
+        if names is not None and len(set(names)) != len(names):
+            raise ValueError("lists a silo twice")
+        return names
 
 
 class HubConfig(_Strict):

@@ -124,13 +124,14 @@ def test_handshake_refuses_an_expired_certificate_and_the_hubs_own(pki_dir, hub)
         assert code == "UNAVAILABLE" or details.startswith("not_silo_certificate"), (bundle, code, details)
 
 
-def _handshake(port: int, bundle: Path, version: ssl.TLSVersion | None = None) -> tuple[str, int]:
+def _handshake(port: int, bundle: Path, version: ssl.TLSVersion | None = None, ciphers: str = "DEFAULT"
+               ) -> tuple[str, int]:
     """(TLS version, served certificate serial) of a raw handshake presenting ``bundle``'s silo certificate."""
     ctx = ssl.create_default_context(cafile=str(bundle / "ca.pem"))
     ctx.load_cert_chain(bundle / "cert.pem", bundle / "key.pem")
     ctx.set_alpn_protocols(["h2"])
     if version is not None:
-        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")  # let this client really offer old versions; the hub must say no
+        ctx.set_ciphers(f"{ciphers}:@SECLEVEL=0")  # let this client really offer old things; the hub must say no
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             ctx.minimum_version = ctx.maximum_version = version
@@ -140,10 +141,13 @@ def _handshake(port: int, bundle: Path, version: ssl.TLSVersion | None = None) -
 
 
 def test_tls_versions_the_hub_accepts(pki_dir, hub) -> None:
-    """What docs/security.md states: TLS 1.3 by default, 1.2 still accepted, nothing older."""
+    """What docs/security.md states: TLS 1.3 by default, 1.2 (ECDHE + AES-GCM only) still accepted, nothing
+    older."""
     port, _, _ = hub
     assert _handshake(port, pki_dir["s1"])[0] == "TLSv1.3"
     assert _handshake(port, pki_dir["s1"], ssl.TLSVersion.TLSv1_2)[0] == "TLSv1.2"
+    with pytest.raises(ssl.SSLError):  # TLS 1.2 only with ECDHE and AES-GCM: a CBC suite is refused
+        _handshake(port, pki_dir["s1"], ssl.TLSVersion.TLSv1_2, ciphers="ECDHE-ECDSA-AES128-SHA")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         old = ssl.TLSVersion.TLSv1_1
