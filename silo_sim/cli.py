@@ -182,8 +182,9 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
 
 def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
-    for col in ("round", "test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
+    table.add_column("round", justify="right", no_wrap=True, min_width=11)
+    for col in ("test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
+        table.add_column(col, justify="right", no_wrap=True)
     for h in history:
         table.add_row(
             str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}",
