@@ -23,6 +23,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console(stderr=False)
+if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
+    console = Console(stderr=False, width=120)
 
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
