@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from security import pki, tls
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.client import SiloClient, SiloSettings
-from silo_core.tensors import encode, iter_chunks, sha256_hex
+from silo_core.tensors import DTYPES, encode, iter_chunks, sha256_hex
 from silo_sim.stage import StagedFederation, stage_federation
 from tests.conftest import Processes, free_port, wait_for
 
@@ -195,8 +195,8 @@ def _messages(run_id: str, task: silo_pb2.Task, payload: bytes, **header) -> lis
 
 def _planned(task: silo_pb2.Task) -> dict[str, torch.Tensor]:
     """A well-formed (all zero) result with exactly the planned names, shapes and dtypes."""
-    tensors = {s.name: torch.zeros(tuple(s.shape), dtype=torch.float32) for s in task.expected}
-    tensors["weight"] = torch.ones(1)
+    tensors = {s.name: torch.zeros(tuple(s.shape), dtype=DTYPES[s.dtype]) for s in task.expected}
+    tensors["weight"] = torch.ones(1, dtype=DTYPES[next(s.dtype for s in task.expected if s.name == "weight")])
     return tensors
 
 
