@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"algorithm {config.algorithm.name}, {config.rounds.total} rounds, model {app.spec.name}")
             return 0
         state = app.run()
-        if app.hub.stop_event.is_set():
+        if state.round < config.rounds.total:
             print(f"hub stopped after round {state.round}; start it again to resume from the checkpoint")
             return 0
         last = app.hub.history[-1] if app.hub.history else {}
