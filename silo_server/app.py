@@ -31,6 +31,7 @@ from silo_core.training import evaluate, resolve_device
 from silo_server.checkpoint import write_json_atomic
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import Hub
+from silo_server.metrics import HubMetrics
 from silo_server.servicer import FederationServicer
 
 log = logging.getLogger("silo_server")
@@ -103,6 +104,9 @@ class HubApp:
             evaluate=self.evaluate if self.test is not None else None,
             seed=config.run.seed,
         )
+        self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
+                                   version=getattr(silo_core, "__version__", "0.1.0"))
+                        if config.metrics.enabled else None)
         self.server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -129,6 +133,10 @@ class HubApp:
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:
         s = self.config.server
+        if self.metrics is not None and self.metrics.server is None:
+            m = self.config.metrics
+            metrics_port = self.metrics.serve(m.host, m.port)
+            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="grpc"),
             options=[
@@ -138,7 +146,9 @@ class HubApp:
             maximum_concurrent_rpcs=s.max_workers,
         )
         silo_pb2_grpc.add_FederationServicer_to_server(
-            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes), self.server
+            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes,
+                               on_join=self.metrics.observe_silo_certificate if self.metrics else None),
+            self.server,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -162,6 +172,8 @@ class HubApp:
         self.hub.stop()
         if self.server is not None:
             self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def run(self) -> HubState:
         """Serve, run every round, export the model, linger so silos hear that the run is over, stop."""

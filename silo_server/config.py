@@ -120,6 +120,12 @@ class WireSection(_Strict):
     half_precision: bool = Field(False, description="send the model as float16 (halves bytes down)")
 
 
+class MetricsSection(_Strict):
+    enabled: bool = Field(True, description="serve Prometheus metrics at http://host:port/metrics")
+    host: str = Field("127.0.0.1", description="address of the metrics endpoint; 0.0.0.0 for a remote Prometheus")
+    port: int = Field(9400, ge=0, le=65535, description="0 picks a free port (written to state_dir/metrics_port)")
+
+
 class HubConfig(_Strict):
     run: RunSection = Field(default_factory=RunSection)
     server: ServerSection = Field(default_factory=ServerSection)
@@ -128,6 +134,7 @@ class HubConfig(_Strict):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     rounds: RoundsSection = Field(default_factory=RoundsSection)
     wire: WireSection = Field(default_factory=WireSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:
