@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels,
         ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
-        return client.run_forever()
+        rc = client.run_forever()
+        if server is not None and not client.stop_event.is_set():
+            server.wait_for_scrape(30.0)  # the run is over: let a watching Prometheus collect the final values
+        return rc
     except KeyboardInterrupt:
         return 130
     except (DataError, TlsError, SiloError, ValueError, OSError) as err:

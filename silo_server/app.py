@@ -197,6 +197,8 @@ class HubApp:
                 if not self._silos_still_waiting():
                     break
                 time.sleep(0.2)
+            if self.metrics is not None and self.metrics.server is not None:
+                self.metrics.server.wait_for_scrape(self.config.metrics.final_scrape_s)  # the final round's values
             return state
         finally:
             self.stop()

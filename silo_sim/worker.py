@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         while t.is_alive():
             t.join(timeout=0.5)
     if server is not None:
+        server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)))  # let Prometheus see the end
         server.close()
     failed = sorted(n for n, rc in results.items() if rc != 0)
     return 1 if failed else 0
