@@ -127,17 +127,17 @@ class SiloMetrics:
 
 
 class _CertificateCollector(Collector):
-    """Days left on each silo's own certificate, read from its bundle at scrape time (renewals show at once)."""
+    """Time left on each silo's own certificate, read from its bundle at scrape time (renewals show at once)."""
 
     def __init__(self) -> None:
         self.files: dict[str, Path] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily("silokit_silo_certificate_days_left", "Days until this silo's client "
+        family = GaugeMetricFamily("silokit_silo_certificate_remaining_seconds", "Time until this silo's client "
                                    "certificate expires.", labels=["silo"])
         for silo, path in sorted(self.files.items()):
             try:
-                family.add_metric([silo], cert_days_left(path.read_bytes()))
+                family.add_metric([silo], cert_days_left(path.read_bytes()) * 86400.0)
             except Exception:  # missing or unreadable: the TLS layer reports that; here it has no series
                 continue
         yield family

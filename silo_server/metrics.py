@@ -125,7 +125,7 @@ class HubMetrics:
         self.secagg_recoveries.inc(max(0, int(entry.get("secagg_recoveries", 0))))
 
     def observe_silo_certificate(self, silo_id: str, cert_pem: bytes | None) -> None:
-        """Remember a silo's verified client certificate (from the TLS handshake) to export its days left."""
+        """Remember a silo's verified client certificate (from the TLS handshake) to export the time it has left."""
         if cert_pem:
             self.silo_certs[silo_id] = cert_pem
 
@@ -146,9 +146,9 @@ def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | 
     return GaugeMetricFamily(name, doc, value=value, labels=labels)
 
 
-def _days_left(pem: bytes) -> float | None:
+def _seconds_left(pem: bytes) -> float | None:
     try:
-        return cert_days_left(pem)
+        return cert_days_left(pem) * 86400.0
     except Exception:  # a certificate we cannot parse is reported by TLS itself; here it only has no metric
         return None
 
@@ -253,16 +253,16 @@ class _HubStateCollector(Collector):
                      float(last.get("epsilon_budget", 0.0)))
         yield _gauge("silokit_hub_dp_delta", "Differential-privacy delta (0 without DP).",
                      float(last.get("dp_delta", 0.0)))
-        certs = _gauge("silokit_hub_certificate_days_left", "Days until the hub's own certificate (hub) or the "
-                       "federation CA's (ca) expires.", labels=["certificate"])
+        certs = _gauge("silokit_hub_certificate_remaining_seconds", "Time until the hub's own certificate (hub) or "
+                       "the federation CA's (ca) expires.", labels=["certificate"])
         if self.m.certs is not None:
             for label, name in (("hub", "cert.pem"), ("ca", "ca.pem")):
                 try:
-                    days = _days_left((self.m.certs / name).read_bytes())
+                    left = _seconds_left((self.m.certs / name).read_bytes())
                 except OSError:
-                    days = None
-                if days is not None:
-                    certs.add_metric([label], days)
+                    left = None
+                if left is not None:
+                    certs.add_metric([label], left)
         yield certs
 
         # per silo (one series per enrolled silo)
@@ -278,8 +278,8 @@ class _HubStateCollector(Collector):
                         labels=["silo"])
         skipped = _gauge("silokit_hub_silo_skipped_images", "Unreadable image files the silo skipped.",
                          labels=["silo"])
-        cert_days = _gauge("silokit_hub_silo_certificate_days_left", "Days until the silo's client certificate "
-                           "(as presented in its last join) expires.", labels=["silo"])
+        silo_certs = _gauge("silokit_hub_silo_certificate_remaining_seconds", "Time until the silo's client "
+                           "certificate (as presented in its last join) expires.", labels=["silo"])
         ends = self.m.round_ends
         for silo_id, seen, rounds, n_images, n_skipped in silos:
             last_seen.add_metric([silo_id], seen)
@@ -289,10 +289,10 @@ class _HubStateCollector(Collector):
             images.add_metric([silo_id], n_images)
             skipped.add_metric([silo_id], n_skipped)
             pem = self.m.silo_certs.get(silo_id)
-            days = _days_left(pem) if pem else None
-            if days is not None:
-                cert_days.add_metric([silo_id], days)
-        yield from (last_seen, is_connected, silent, contributed, images, skipped, cert_days)
+            left = _seconds_left(pem) if pem else None
+            if left is not None:
+                silo_certs.add_metric([silo_id], left)
+        yield from (last_seen, is_connected, silent, contributed, images, skipped, silo_certs)
 
     def _thresholds(self, last: dict[str, Any], planned: list[float]) -> list[tuple[int, float]]:
         """Per-class thresholds: the round's own (FedSEAL), else the plan's, else the algorithm's single tau."""

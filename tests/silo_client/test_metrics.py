@@ -50,5 +50,5 @@ def test_two_silos_in_one_registry_keep_their_own_series(tmp_path):
     assert ("silokit_silo_device_info", (("device", "cpu"), ("silo", "silo-a"))) not in s
     assert s[("silokit_silo_device_info", (("device", "cpu"), ("silo", "silo-b")))] == 1
     assert s[("silokit_silo_last_contact_timestamp_seconds", A)] > 1.6e9
-    assert 29 < s[("silokit_silo_certificate_days_left", A)] <= 30
-    assert ("silokit_silo_certificate_days_left", B) not in s  # no bundle given: no series rather than a guess
+    assert 29 * 86400 < s[("silokit_silo_certificate_remaining_seconds", A)] <= 30 * 86400
+    assert ("silokit_silo_certificate_remaining_seconds", B) not in s  # no bundle given: no series rather than a guess

@@ -114,7 +114,7 @@ def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_pa
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "chatty"),))] == 0
 
 
-def test_certificate_days_left_for_the_hub_the_ca_and_each_silo(tmp_path):
+def test_certificate_time_left_for_the_hub_the_ca_and_each_silo(tmp_path):
     ca = tmp_path / "ca"
     init_ca(ca, days=3650)
     hub_bundle = issue_hub(ca, tmp_path / "hubcert", days=90)
@@ -124,9 +124,10 @@ def test_certificate_days_left_for_the_hub_the_ca_and_each_silo(tmp_path):
     hub.join("branch-1", 5, 0, "cpu")
     m.observe_silo_certificate("branch-1", (soon / "cert.pem").read_bytes())
     s = samples(m)
-    assert 89 < s[("silokit_hub_certificate_days_left", (("certificate", "hub"),))] <= 90
-    assert 3600 < s[("silokit_hub_certificate_days_left", (("certificate", "ca"),))] <= 3650
-    assert 9 < s[("silokit_hub_silo_certificate_days_left", (("silo", "branch-1"),))] <= 10
+    day = 86400
+    assert 89 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "hub"),))] <= 90 * day
+    assert 3600 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "ca"),))] <= 3650 * day
+    assert 9 * day < s[("silokit_hub_silo_certificate_remaining_seconds", (("silo", "branch-1"),))] <= 10 * day
 
 
 def test_the_endpoint_serves_the_registry_and_a_busy_port_is_one_clear_error(tmp_path):
