@@ -2,6 +2,8 @@
 and the silo workers on loopback; every query of the shipped dashboards and alert rules must return data, the
 endpoints must pass `promtool check metrics`, and the numbers must mean what the panels say."""
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 
 from tests.conftest import ROOT, wait_for
 from tools.promstack import (
+    DASHBOARDS,
     Prometheus,
     alert_rules,
     alert_signal,
@@ -131,6 +134,21 @@ def test_every_dashboard_and_alert_query_returns_data_from_a_real_run(tmp_path):
         # One endpoint per worker, one `silo` label per hosted silo.
         per_worker = prom.query("count by (instance) (silokit_silo_samples)", at=at_silos)
         assert sorted(values(per_worker)) == [SILOS / WORKERS] * WORKERS
+
+        # The docs tooling draws every panel of both dashboards from this run (docs/img is made the same way).
+        if importlib.util.find_spec("matplotlib") is not None:
+            from PIL import Image
+
+            from tools.render_dashboard import collect, draw
+
+            for path in DASHBOARDS:
+                board = json.loads(path.read_text())
+                panels = collect(prom, board, {"silo": "silo-001"}, started, time.time(), at)
+                assert len(panels) == len(board["panels"])
+                png = tmp_path / f"{board['uid']}.png"
+                draw(board, panels, started, time.time(), png, "test run")
+                with Image.open(png) as image:
+                    assert image.width > 1000 and image.height > 600  # every panel on a 24-column canvas
     finally:
         if sim is not None:
             stop_process_group(sim)
