@@ -248,7 +248,7 @@ def run_and_collect(args: argparse.Namespace) -> dict | None:
             "start": started, "end": end, "at": at, "panels": panels,
             "subtitle": f"silo-sim: {args.silos} silos in {args.workers} workers, {args.rounds} rounds; real metrics "
                         f"scraped by Prometheus every 2 s; {day}",
-            "run": {"command": ["silo-sim", *command[3:]],
+            "run": {"command": ["silo-sim", *(c.replace(str(work), "$TMP") for c in command[3:])],
                     "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                     "seconds": round(end - started, 1),
                     "images": [f"dashboard-{uid}.png" for uid in panels]},

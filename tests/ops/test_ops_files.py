@@ -142,3 +142,11 @@ def test_systemd_units_verify(tmp_path):
     exec_start = [line for line in (OPS / "systemd/silokit-silo.service").read_text().splitlines()
                   if line.startswith("ExecStart=")][0]
     assert set(re.findall(r"\$\{(\w+)\}", exec_start)) == set(env)  # every variable the unit uses is defined
+
+
+def test_every_exported_metric_is_documented(tmp_path):
+    doc = (ROOT / "docs/operations.md").read_text()
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported_metric_names(tmp_path)}
+    families = {n for n in families if n.startswith("silokit_")}
+    missing = sorted(n for n in families if f"`{n}`" not in doc)
+    assert len(families) > 50 and not missing, f"metrics missing from docs/operations.md: {missing}"
