@@ -133,10 +133,6 @@ class HubApp:
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:
         s = self.config.server
-        if self.metrics is not None and self.metrics.server is None:
-            m = self.config.metrics
-            metrics_port = self.metrics.serve(m.host, m.port)
-            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="grpc"),
             options=[
@@ -153,6 +149,10 @@ class HubApp:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         creds = server_credentials(s.certs)
+        if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
+            m = self.config.metrics
+            metrics_port = self.metrics.serve(m.host, m.port)
+            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         address = f"{s.host}:{s.port}"
         try:
             self.port = self.server.add_secure_port(address, creds)

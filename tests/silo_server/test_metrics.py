@@ -1,9 +1,12 @@
 """The hub's metrics, read from a real registry while a real hub core (no network) runs rounds."""
 
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -144,3 +147,24 @@ def test_the_endpoint_serves_the_registry_and_a_busy_port_is_one_clear_error(tmp
         m.close()
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # closed: nothing listens there any more
+
+
+def test_silo_server_with_a_busy_metrics_port_stops_with_one_clear_line(tmp_path):
+    ca = init_ca(tmp_path / "ca")
+    certs = issue_hub(ca, tmp_path / "hubcert")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "hub.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "run": {"state_dir": str(tmp_path / "state")},
+            "server": {"certs": str(certs), "host": "127.0.0.1", "port": 0},
+            "data": {"labeled": {"kind": "demo", "labels_per_class": 2}},
+            "metrics": {"port": port},
+        }))
+        proc = subprocess.run([sys.executable, "-m", "silo_server.cli", "--config", str(cfg)], capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; set "
+                                   f"metrics.port in hub.yaml to a free port (0 picks one) or metrics.enabled false")
