@@ -27,6 +27,7 @@ from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.tensors import (
+    DTYPES,
     CodecError,
     TensorSpec,
     assemble,
@@ -188,9 +189,13 @@ class SiloClient:
         with self.train_lock:
             result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
+        tensors = {}
         if not result.skipped:
-            check_tensors(result.tensors, expected)  # our own bug must not reach the hub as garbage
-        self._upload(task, result.tensors if not result.skipped else {}, metrics, result.skipped)
+            # Send each tensor in the dtype the hub declared (float16 for large ones with wire.half_precision).
+            tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
+                       for k, v in result.tensors.items()}
+            check_tensors(tensors, expected)  # our own bug must not reach the hub as garbage
+        self._upload(task, tensors, metrics, result.skipped)
         self.rounds_done.append(task.round)
         self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round,

@@ -117,7 +117,7 @@ class RoundsSection(_Strict):
 class WireSection(_Strict):
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
     max_upload_bytes: int = Field(512 << 20, ge=1024)
-    half_precision: bool = Field(False, description="send the model as float16 (halves bytes down)")
+    half_precision: bool = Field(False, description="large float tensors travel as float16 (model and deltas)")
 
 
 class MetricsSection(_Strict):

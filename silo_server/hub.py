@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
+import resource
 import threading
 import time
 import uuid
@@ -68,6 +70,7 @@ class ActiveTask:
     hyperparameters_json: str
     sampled: set[str]
     deadline: float
+    expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
     started: float = field(default_factory=time.time)
     reported: set[str] = field(default_factory=set)
     skipped: set[str] = field(default_factory=set)
@@ -210,7 +213,7 @@ class Hub:
             return TaskView(
                 "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
-                expected=t.plan.expected,
+                expected=t.expected,
             )
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {self.phase}, round {self.round}")
 
@@ -259,7 +262,7 @@ class Hub:
             payload = assembler.finish(str(header.get("sha256", "")))
             if not skipped:
                 tensors = decode(payload, self.max_upload_bytes)
-                check_tensors(tensors, t.plan.expected)
+                check_tensors(tensors, t.expected)
         except CodecError as err:
             code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
             raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
@@ -351,7 +354,7 @@ class Hub:
                 round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
                 hyperparameters_json=json.dumps(plan.hyperparameters), sampled=sampled,
-                deadline=time.time() + self.deadline_s,
+                deadline=time.time() + self.deadline_s, expected=wire_specs(plan.expected, self.half_precision),
             )
             need = self._quorum_count(len(sampled))
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
@@ -384,6 +387,7 @@ class Hub:
         if self.evaluate is not None:
             entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
         entry["round_seconds"] = time.time() - started
+        entry["hub_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if task is not None:
             reporters = len(task.reported)
             entry.update({
@@ -425,6 +429,19 @@ class Hub:
         self.stop_event.set()
         with self.cond:
             self.cond.notify_all()
+
+
+HALF_MIN_ELEMENTS = 1024
+
+
+def wire_specs(expected: dict[str, TensorSpec], half: bool) -> dict[str, TensorSpec]:
+    """With half precision, large float32 tensors (weights, deltas) travel as float16; small ones (weights, counts)
+    stay float32 so that counts remain exact."""
+    if not half:
+        return dict(expected)
+    return {name: TensorSpec(spec.shape, "float16")
+            if spec.dtype == "float32" and math.prod(spec.shape) >= HALF_MIN_ELEMENTS else spec
+            for name, spec in expected.items()}
 
 
 def _finite(x: float) -> bool:

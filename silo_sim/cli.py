@@ -25,6 +25,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console(stderr=False)
+if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
+    console = Console(stderr=False, width=120)
 
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
@@ -56,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
+    p.add_argument("--model", choices=["small_cnn", "wrn28_2"], default="small_cnn",
+                   help="network (both take the demo's 28x28 grayscale images)")
+    p.add_argument("--half-precision", action="store_true", help="send the model to silos as float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, help="write summary.json (every round's metrics, baseline, settings) here")
@@ -202,7 +207,8 @@ def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
         tmp.replace(directory / name)
 
 
-def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str) -> dict[str, Any]:
+def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
+                         model: str = "small_cnn") -> dict[str, Any]:
     """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
     import torch
 
@@ -215,7 +221,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     torch.set_num_threads(os.cpu_count() or 2)
     labeled = load_labeled_folder(staged.root / "hub" / "labeled", 28, 1)
     test = load_labeled_folder(staged.root / "hub" / "test", 28, 1)
-    spec = ModelSpec(num_classes=len(labeled.classes))
+    spec = ModelSpec(name=model, num_classes=len(labeled.classes))
     opts = ServerOnlyOptions.model_validate(options)
     dev = resolve_device(device)
     algo = ServerOnlyHub(opts, spec, HubData(labeled.images, labeled.labels), dev, seed, rounds)
@@ -230,8 +236,9 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
 
 def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
-    for col in ("round", "test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
+    table.add_column("round", justify="right", no_wrap=True, min_width=11)
+    for col in ("test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
+        table.add_column(col, justify="right", no_wrap=True)
     for h in history:
         table.add_row(
             str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}",
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         hub_config = {
             "run": {"seed": args.seed, "device": args.device, "threads": cores},
             "algorithm": {"name": args.algorithm, "options": options},
+            "model": {"name": args.model, "image_size": 28, "in_channels": 1},
+            "wire": {"half_precision": args.half_precision},
             "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
                        "quorum": 0.5, "deadline_s": 900},
         }
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.no_baseline:
             console.print("training the server-only baseline on the same labels ...")
-            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
+            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model)
         console.print(summary_table(history, baseline, args.algorithm))
         final = history[-1] if history else {}
         if baseline and final:

@@ -172,3 +172,14 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     with pytest.raises(Refusal) as info:
         again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
     assert info.value.code == "FAILED_PRECONDITION"
+
+
+def test_half_precision_declares_large_float_tensors_as_float16_and_keeps_counts_exact():
+    from silo_server.hub import wire_specs
+
+    specs = {"delta/w": TensorSpec((64, 32), "float32"), "weight": TensorSpec((1,), "float32"),
+             "ids": TensorSpec((4096,), "int64")}
+    wire = wire_specs(specs, half=True)
+    assert wire["delta/w"].dtype == "float16"
+    assert wire["weight"].dtype == "float32" and wire["ids"].dtype == "int64"
+    assert wire_specs(specs, half=False) == specs
