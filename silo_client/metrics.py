@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -62,6 +62,7 @@ class SiloMetricFamilies:
                                   ["silo", "code"], registry=r)
         self.certificates = _CertificateCollector()
         r.register(self.certificates)
+        ProcessCollector(registry=r)  # the process hosting the silo(s): memory, CPU time, open files
 
     def serve(self, host: str, port: int) -> MetricsServer:
         return serve_metrics(self.registry, host, port, "pass --metrics-port with a free port (0 picks one)")

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -98,6 +98,7 @@ class HubMetrics:
             "Unix time the hub last made progress (started, or completed a round).", registry=r)
         self.progress.set(self.started)
         self.registry.register(_HubStateCollector(self))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
         previous = hub.on_round
 
         def on_round(entry: dict[str, Any]) -> None:

@@ -198,6 +198,16 @@ def overview() -> dict:
                unit="d", thresholds=CERT_STEPS),
         ],
         [
+            Panel("Hub memory", "timeseries", 12, 7, [
+                ('process_resident_memory_bytes{job="silokit-hub"}', "resident"),
+            ], "Resident memory of the hub process. Streaming aggregation keeps it flat as more silos report.",
+               unit="bytes", min=0),
+            Panel("Hub CPU", "timeseries", 12, 7, [
+                ('rate(process_cpu_seconds_total{job="silokit-hub"}[5m])', "cores busy"),
+            ], "CPU time the hub process uses per second (1 = one core busy): its fine-tune, evaluation and "
+               "aggregation.", min=0),
+        ],
+        [
             Panel("Silos", "table", 24, 8, [
                 ("silokit_hub_silo_connected", "connected"),
                 ("silokit_hub_silo_rounds_silent", "rounds silent"),

@@ -4,8 +4,9 @@
     python tools/render_dashboard.py --silos 6 --rounds 10   # a longer run
 
 It starts a real Prometheus with the shipped ops/prometheus config, runs silo-sim with its metrics scraped, then
-asks Prometheus every query of every panel of ops/grafana/dashboards/*.json (over the run for time series, at the
-run's last fully-scraped moment for stats, bar gauges and tables) and draws each panel where its gridPos puts it.
+asks Prometheus every query of every panel of ops/grafana/dashboards/*.json (over the run for time series; for stats,
+bar gauges and tables at the hub's final scrape, or, for series only the silo workers serve, at the last moment all
+endpoints were up) and draws each panel where its gridPos puts it.
 Writes docs/img/dashboard-<uid>.png and docs/img/dashboard-runs.json (what was run, when, how long).
 Needs the docs extra (`pip install -e ".[docs]"`, matplotlib) and the prometheus binary.
 """
@@ -51,6 +52,11 @@ def fmt_value(v: float, unit: str) -> str:
             if abs(v) < 1000:
                 return f"{v:.0f} {u}" if u == "B/s" else f"{v:.1f} {u}"
             v /= 1000
+    if unit == "bytes":
+        for u in ("B", "kB", "MB", "GB", "TB"):
+            if abs(v) < 1000:
+                return f"{v:.0f} {u}" if u == "B" else f"{v:.1f} {u}"
+            v /= 1000
     if unit == "s":
         return f"{v:.1f} s" if v < 120 else f"{v / 60:.1f} min"
     if unit == "d":
@@ -62,9 +68,15 @@ def series_values(result: list[dict]) -> list[tuple[dict, list[tuple[float, floa
     return [(r["metric"], [(float(t), float(v)) for t, v in r["values"]]) for r in result]
 
 
-def collect(prom: Prometheus, board: dict, variables: dict[str, str], start: float, end: float, at: float) -> list:
-    """Per panel: (panel, [(target, result)]) with range results for time series and instant ones otherwise."""
+def collect(prom: Prometheus, board: dict, variables: dict[str, str], start: float, end: float,
+            at: float | list[float]) -> list:
+    """Per panel: (panel, [(target, result)]) with range results for time series and instant ones otherwise.
+
+    Instant queries are asked at the first time in `at` that answers: e.g. the hub's final scrape, then the last
+    moment every endpoint was up (the silo workers exit a little before the hub).
+    """
     step = max(1.0, round((end - start) / 240))
+    times = at if isinstance(at, list) else [at]
     panels = []
     for panel in board["panels"]:
         results = []
@@ -73,7 +85,12 @@ def collect(prom: Prometheus, board: dict, variables: dict[str, str], start: flo
             if panel["type"] == "timeseries":
                 results.append((target, series_values(prom.query_range(expr, start, end, step))))
             else:
-                results.append((target, prom.query(expr, at=at)))
+                result = []
+                for t in times:
+                    result = prom.query(expr, at=t)
+                    if result:
+                        break
+                results.append((target, result))
         panels.append((panel, results))
     return panels
 
@@ -235,14 +252,15 @@ def run_and_collect(args: argparse.Namespace) -> dict | None:
             return None
         end = time.time()
         at = prom.last_time_all_up({"silokit-hub": 1, "silokit-silos": args.workers}, started, end)
-        if at is None:
+        at_hub = prom.last_time_all_up({"silokit-hub": 1}, started, end)
+        if at is None or at_hub is None:
             print("error: Prometheus never scraped all endpoints at once", file=sys.stderr)
             return None
         panels = {}
         for path in DASHBOARDS:
             board = json.loads(path.read_text())
             panels[board["uid"]] = [(panel["id"], results) for panel, results in
-                                    collect(prom, board, {"silo": "silo-001"}, started, end, at)]
+                                    collect(prom, board, {"silo": "silo-001"}, started, end, [at_hub, at])]
         day = time.strftime("%Y-%m-%d", time.gmtime(started))
         return {
             "start": started, "end": end, "at": at, "panels": panels,
