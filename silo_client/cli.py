@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=300.0,
                    help="give up when the hub stays unreachable this many seconds (0: never; default 300)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port (0 picks a free one; default: not served)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
     p.add_argument("--sim-labels", type=Path, help=argparse.SUPPRESS)  # simulation only
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs and full tracebacks on errors")
     return p
@@ -40,6 +44,14 @@ def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--silo-id only applies with --insecure-dev-only; with TLS the id is the certificate's name")
         if not args.certs:
             parser.error("the following arguments are required: --certs (a bundle from `silo-certs issue-silo`)")
+def silo_label(certs: Path) -> str:
+    """The silo id for metric labels: the CN of the bundle's certificate (the identity the hub sees)."""
+    from security.pki import cert_common_name
+
+    try:
+        return cert_common_name((certs / "cert.pem").read_bytes())
+    except Exception:  # a broken bundle is reported by the TLS checks right after; label it by folder meanwhile
+        return certs.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,15 +70,27 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    client = None
+    client = server = None
     try:
+        metrics = None
+        if args.metrics_port is not None:
+            from silo_client.metrics import SiloMetricFamilies, SiloMetrics
+
+            families = SiloMetricFamilies()
+            label = args.silo_id if args.insecure_dev_only else silo_label(args.certs)
+            metrics = SiloMetrics(families, label, certs=args.certs)
+            server = families.serve(args.metrics_host, args.metrics_port)
+            logging.getLogger("silo_client").info("metrics at %s", server.url)
         client = SiloClient(SiloSettings(
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels,
             insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None,
-        ))
+        ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
-        return client.run_forever()
+        rc = client.run_forever()
+        if server is not None and not client.stop_event.is_set():
+            server.wait_for_scrape(30.0)  # the run is over: let a watching Prometheus collect the final values
+        return rc
     except KeyboardInterrupt:
         return 130
     except (DataError, TlsError, SiloError, ValueError, OSError) as err:
@@ -77,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if client is not None:
             client.close()
+        if server is not None:
+            server.close()
 
 
 if __name__ == "__main__":

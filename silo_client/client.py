@@ -21,6 +21,7 @@ import torch
 
 from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_unlabeled_folder
@@ -78,8 +79,10 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
 
 class SiloClient:
     def __init__(self, settings: SiloSettings, train_lock: threading.Lock | None = None,
-                 stop_event: threading.Event | None = None):
+                 stop_event: threading.Event | None = None, metrics: SiloMetrics | None = None):
         self.s = settings
+        # Always kept; served only when the caller serves them (silo-client --metrics-port, silo-sim workers).
+        self.metrics = metrics or SiloMetrics(SiloMetricFamilies(), settings.name or "silo")
         self.log = logging.getLogger(f"silo_client.{settings.name}" if settings.name else "silo_client")
         self.train_lock = train_lock or threading.Lock()
         self.stop_event = stop_event or threading.Event()
@@ -122,6 +125,7 @@ class SiloClient:
                           run.model, run.total_rounds)
         self.run, self.silo_id = run, reply.silo_id
         self._prepare(run)
+        self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
 
     def _prepare(self, run: silo_pb2.RunDescription) -> None:
         key = (run.image_size, run.in_channels)
@@ -165,6 +169,7 @@ class SiloClient:
                                     timeout=600)
         payload = assemble(((c.offset, c.data) for c in stream), task.bundle_bytes, task.bundle_sha256,
                            max_bytes=max(task.bundle_bytes, 1))
+        self.metrics.received(len(payload))
         tensors = decode(payload)
         # float16 on the wire (wire.half_precision) is widened back before training.
         return {k: (v.float() if v.dtype == torch.float16 else v) for k, v in tensors.items()}
@@ -183,6 +188,7 @@ class SiloClient:
                 yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
 
         self.stub.Upload(messages(), timeout=600)
+        self.metrics.sent(len(payload))
 
     def _train(self, task: silo_pb2.Task) -> None:
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
@@ -201,6 +207,7 @@ class SiloClient:
             check_tensors(tensors, expected)  # our own bug must not reach the hub as garbage
         self._upload(task, tensors, metrics, result.skipped)
         self.rounds_done.append(task.round)
+        self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round,
                       "skipped (nothing passed the threshold)" if result.skipped else "update sent",
                       metrics["train_seconds"], int(metrics.get("pl_selected", 0)), int(metrics.get("pl_total", 0)))
@@ -219,6 +226,7 @@ class SiloClient:
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
                 ), timeout=60)
                 backoff, unreachable_since = 1.0, None
+                self.metrics.contact()
                 if task.kind == silo_pb2.Task.DONE:
                     self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
                                   len(self.rounds_done))
@@ -229,6 +237,7 @@ class SiloClient:
                     self.stop_event.wait(min(task.retry_after_s, 5.0))
             except grpc.RpcError as err:
                 code = err.code()
+                self.metrics.hub_error(code.name)
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     # The hub restarted, or our task went stale: re-join and carry on.
                     self.log.info("hub says: %s; joining again", err.details())

@@ -35,6 +35,7 @@ from silo_core.training import evaluate, resolve_device
 from silo_server.checkpoint import write_json_atomic
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub
+from silo_server.metrics import HubMetrics
 from silo_server.servicer import FederationServicer
 
 log = logging.getLogger("silo_server")
@@ -109,6 +110,9 @@ class HubApp:
             evaluate=self.evaluate if self.test is not None else None,
             seed=config.run.seed,
         )
+        self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
+                                   version=getattr(silo_core, "__version__", "0.1.0"))
+                        if config.metrics.enabled else None)
         self.server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -147,10 +151,16 @@ class HubApp:
         if not self.insecure_dev_only:
             self.credentials = ReloadingServerCredentials(s.certs, on_load=self._hub_certificate_loaded)
         silo_pb2_grpc.add_FederationServicer_to_server(
-            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes, self.make_gate()), self.server
+            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes, self.make_gate(),
+                               on_join=self.metrics.observe_silo_certificate if self.metrics else None),
+            self.server,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
+            m = self.config.metrics
+            metrics_port = self.metrics.serve(m.host, m.port)
+            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         if self.insecure_dev_only:
             # Never anything but loopback: there is no encryption and no proof of identity in this mode.
             self.port = self._bind(f"127.0.0.1:{s.port}", None)
@@ -228,6 +238,8 @@ class HubApp:
         self.hub.stop()
         if self.server is not None:
             self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def run(self) -> HubState:
         """Serve, run every round, export the model, linger so silos hear that the run is over, stop."""
@@ -250,6 +262,8 @@ class HubApp:
                 if not self._silos_still_waiting():
                     break
                 time.sleep(0.2)
+            if self.metrics is not None and self.metrics.server is not None:
+                self.metrics.server.wait_for_scrape(self.config.metrics.final_scrape_s)  # the final round's values
             return state
         finally:
             self.stop()

@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-server", description="Run the hub of a silokit federation.")
     p.add_argument("--config", required=True, help="path to hub.yaml (see examples/hub.yaml)")
     p.add_argument("--port", type=int, help="override server.port (0 picks a free port)")
+    p.add_argument("--metrics-port", type=int, help="override metrics.port (0 picks a free port)")
     p.add_argument("--check", action="store_true",
                    help="validate the config, data, certificates and CRL, print the plan, exit")
     p.add_argument("--insecure-dev-only", action="store_true",
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.port is not None:
             config.server.port = args.port
+        if args.metrics_port is not None:
+            config.metrics.port = args.metrics_port
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
 
         app = HubApp(config, insecure_dev_only=args.insecure_dev_only)

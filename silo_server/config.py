@@ -146,6 +146,12 @@ class SecuritySection(_Strict):
         if names is not None and len(set(names)) != len(names):
             raise ValueError("lists a silo twice")
         return names
+class MetricsSection(_Strict):
+    enabled: bool = Field(True, description="serve Prometheus metrics at http://host:port/metrics")
+    host: str = Field("127.0.0.1", description="address of the metrics endpoint; 0.0.0.0 for a remote Prometheus")
+    port: int = Field(9400, ge=0, le=65535, description="0 picks a free port (written to state_dir/metrics_port)")
+    final_scrape_s: float = Field(30.0, ge=0, description="at the end, wait this long for a last scrape (only "
+                                  "when something has scraped the endpoint before)")
 
 
 class HubConfig(_Strict):
@@ -157,6 +163,7 @@ class HubConfig(_Strict):
     rounds: RoundsSection = Field(default_factory=RoundsSection)
     wire: WireSection = Field(default_factory=WireSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

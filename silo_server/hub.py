@@ -140,6 +140,8 @@ class Hub:
         self.refusals: dict[str, int] = {}
         # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
         self.cert_not_after: dict[str, dt.datetime] = {}
+        # Monotonic event counts since this process started, read by silo_server/metrics.py at scrape time.
+        self.counters: dict[str, int] = {}
         self.stop_event = threading.Event()
         self.state: HubState | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +163,10 @@ class Hub:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
         log.warning("refused %s from %s: %s", reason, silo_id or "?", message)
         return Refusal(code, reason, message)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.cond:
+            self.counters[name] = self.counters.get(name, 0) + n
 
     def _touch(self, silo_id: str) -> SiloRecord:
         record = self.silos.get(silo_id)
@@ -258,6 +264,7 @@ class Hub:
             t = self._task_of(silo_id, task_id)
             t.downloaded.add(silo_id)
             t.bytes_down += len(t.bundle)
+            self._count("sent_bytes", len(t.bundle))
             return t.bundle
 
     def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
@@ -299,6 +306,8 @@ class Hub:
             else:
                 self.silos[silo_id].rounds_contributed += 1
             t.bytes_up += total
+            self._count("received_bytes", total)
+            self._count("accepted_skips" if skipped else "accepted_updates")
             self.cond.notify_all()
         log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
                  len(t.reported), len(t.sampled))
@@ -388,10 +397,13 @@ class Hub:
                 self.phase = "aggregating"
             if len(task.reported) >= need:
                 summed = task.sums.result()
+                aggregation_started = time.time()
                 state, metrics = self.algorithm.finish_round(state, summed, task.sums.metrics)
+                metrics = {**metrics, "aggregation_seconds": time.time() - aggregation_started}
                 return self._complete_round(state, metrics, task.started, task)
             log.warning("round %d attempt %d: %d of %d sampled silos reported, below quorum %d; retrying the round",
                         r, attempt, len(task.reported), len(sampled), need)
+            self._count("below_quorum")
             with self.cond:
                 self.task = None
         raise RuntimeError(f"round {r} failed to reach quorum in {self.max_attempts} attempts; "

@@ -7,12 +7,13 @@ validated (security/validation.py) before the hub acts on it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from security import validation
 from security.gate import AccessDenied, PeerGate
+from security.tls import peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Hub, Refusal
@@ -39,11 +40,13 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
 
 
 class FederationServicer(silo_pb2_grpc.FederationServicer):
-    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None):
+    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None,
+                 on_join: Callable[[str, bytes | None], None] | None = None):
         self.hub = hub
         self.long_poll_s = long_poll_s
         self.chunk_bytes = chunk_bytes
         self.gate = gate or PeerGate()
+        self.on_join = on_join  # (silo id, its verified certificate PEM): e.g. metrics of certificate expiry
 
     def _identity(self, context: grpc.ServicerContext) -> str:
         try:
@@ -72,6 +75,8 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                                  int(request.skipped_images))
         except Refusal as r:
             self._abort(context, r)
+        if self.on_join is not None:
+            self.on_join(silo_id, peer_certificate(context))
         return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
 
     def NextTask(self, request, context):

@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-demo", type=Path, metavar="DIR",
                    help="only stage the demo federation (images, certificates, hub.yaml) in DIR and print how to run it")
     p.add_argument("--no-baseline", action="store_true", help="skip the server-only baseline")
+    p.add_argument("--prometheus-targets", type=Path, metavar="DIR",
+                   help="write Prometheus file_sd target files (hub.yml, silos.yml) for the hub's and the workers' "
+                        "/metrics endpoints here, e.g. ops/prometheus/targets (see docs/operations.md)")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
 
@@ -122,9 +127,13 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
                                    + (logs / "hub.log").read_text()[-2000:])
             time.sleep(0.2)
         hub_address = f"127.0.0.1:{port_file.read_text().strip()}"
+        metrics_files = []
         for w in range(workers):
+            metrics_files.append(staged.root / f"worker-{w}.metrics_port")
+            metrics_files[-1].unlink(missing_ok=True)
             spec = {
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
+                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data), "state_dir": str(s.state_dir),
                            "labels": str(s.labels)} for s in staged.silos[w::workers]],
             }
@@ -132,6 +141,9 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
             spec_path.write_text(json.dumps(spec))
             procs.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path)],
                                           stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT, env=env))
+        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs)
+        if getattr(args, "prometheus_targets", None):
+            write_prometheus_targets(args.prometheus_targets, metrics_ports)
         history_path = staged.hub_state_dir / "history.json"
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
@@ -157,6 +169,42 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
         return rc, _read_history(history_path), time.time() - started
     finally:
         _terminate(procs)
+
+
+def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
+                            timeout: float = 120.0) -> dict[str, Any]:
+    """The /metrics ports of the hub and of every worker, once each has written it."""
+    hub_file = staged.hub_state_dir / "metrics_port"
+    end = time.time() + timeout
+    while not all(f.exists() and f.read_text().strip() for f in worker_files):
+        for i, p in enumerate(procs[1:]):
+            if p.poll() is not None:
+                raise RuntimeError(f"silo worker {i} exited before serving metrics; see {logs / f'worker-{i}.log'}")
+        if time.time() > end:
+            raise RuntimeError(f"silo workers did not serve metrics within {timeout:.0f}s; see {logs}")
+        time.sleep(0.2)
+    return {"hub": int(hub_file.read_text()) if hub_file.exists() else None,
+            "workers": [int(f.read_text()) for f in worker_files]}
+
+
+def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
+    """Prometheus file_sd files for the simulation: hub.yml (the hub) and silos.yml (one target per worker).
+
+    Written atomically (Prometheus re-reads them on change), in the layout ops/prometheus/prometheus.yml expects.
+    """
+    import yaml
+
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = {
+        "hub.yml": [{"targets": [f"127.0.0.1:{ports['hub']}"], "labels": {"federation": "silo-sim"}}]
+        if ports["hub"] else [],
+        "silos.yml": [{"targets": [f"127.0.0.1:{port}"], "labels": {"federation": "silo-sim", "worker": str(w)}}
+                      for w, port in enumerate(ports["workers"])],
+    }
+    for name, content in groups.items():
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(yaml.safe_dump(content, sort_keys=False))
+        tmp.replace(directory / name)
 
 
 def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
@@ -216,6 +264,9 @@ def _human(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    # SIGTERM unwinds like Ctrl-C would, so the hub and the workers this process started are stopped too.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = None
     try:
         from silo_core.algorithms import get_algorithm
