@@ -3,10 +3,13 @@
     silo-certs init --dir pki/ca                               # once, on an offline/admin machine
     silo-certs issue-hub --ca pki/ca --out pki/hub --dns hub.example.org --ip 10.0.0.5
     silo-certs issue-silo branch-01 --ca pki/ca                # -> pki/silos/branch-01 (next to the CA dir)
-    silo-certs list --ca pki/ca
+    silo-certs list --ca pki/ca                                # status and expiry of everything issued
+    silo-certs revoke branch-01 --ca pki/ca                    # or a serial; re-signs crl.pem
+    silo-certs renew branch-01 --ca pki/ca                     # fresh key and certificate, same identity
+    silo-certs crl --ca pki/ca                                 # re-sign crl.pem before it goes stale
 
 Each subcommand is a pair (``_add_<name>`` to declare its arguments, ``_cmd_<name>`` to run it) registered in
-``_COMMANDS``; revoke/renew slot in the same way (the CA already keeps crl.pem and issued.json for them).
+``_COMMANDS``. Every command prints what it wrote and where to copy it; none overwrites a key.
 Errors print one line ``error: ...`` on stderr and exit with status 2; ``--verbose`` adds the traceback.
 """
 
@@ -27,6 +30,10 @@ _HUB_NEXT = (
     "copy {out} to the hub machine and run silo-server with it as its certificate bundle (--certs {out})"
 )
 _SILO_NEXT = "copy {out} to the branch '{name}' and run silo-client --certs {out} ..."
+_CRL_NEXT = (
+    "copy {crl} to the hub, over crl.pem in its certificate bundle (server.certs) or the file security.crl "
+    "names in hub.yaml; the running hub reloads it and checks it on every call, no restart"
+)
 
 
 class _UsageError(Exception):
@@ -123,6 +130,7 @@ def _cmd_issue_hub(args: argparse.Namespace) -> None:
     sans = ", ".join(args.dns + args.ip) or ", ".join(pki.DEFAULT_HUB_DNS + pki.DEFAULT_HUB_IPS)
     print(f"issued hub certificate for {sans} (expires in {pki.cert_days_left(cert):.0f} days)")
     _print_bundle(out)
+    print(f"  {out / pki.BUNDLE_CRL}    revocation list (replace it after each `silo-certs revoke`)")
     print("next: " + _HUB_NEXT.format(out=out))
 
 
@@ -193,11 +201,112 @@ def _cmd_list(args: argparse.Namespace) -> None:
         not_after = dt.datetime.fromisoformat(e.not_after)
         days_left = (not_after - now).total_seconds() / 86400.0
         # The inventory only records decisions (valid/revoked); expiry is a fact of the clock, shown here.
-        status = "expired" if e.status == "valid" and days_left < 0 else e.status
+        status = pki.display_status(e, entries, now)
         rows.append((e.kind, e.name, e.serial, f"{not_after:%Y-%m-%d}", f"{days_left:.0f}", status))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# revoke, crl
+
+
+def _print_crl(ca: Path) -> None:
+    crl = pki.load_crl(ca)
+    count = sum(1 for _ in crl)
+    until = crl.next_update_utc
+    print(f"wrote {ca / pki.CRL}: {count} revoked certificate(s), valid until {until:%Y-%m-%d}")
+    print(f"  re-sign it before then with `silo-certs crl --ca {ca}` (the hub warns once it is stale)")
+    print("next: " + _CRL_NEXT.format(crl=ca / pki.CRL))
+
+
+def _add_revoke(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "revoke",
+        help="revoke a certificate (by silo name or serial) and re-sign the CRL",
+        description="Revoke certificates and re-sign crl.pem. A NAME revokes every certificate of that identity; "
+        "a SERIAL (as `list` prints it, or a unique prefix of 8+ digits) revokes just that one.",
+    )
+    p.add_argument("target", metavar="NAME|SERIAL", help="silo name (or 'hub'), or certificate serial")
+    p.add_argument("--ca", required=True, type=Path, help="CA directory")
+    _add_passphrase(p, "unlocks")
+
+
+def _cmd_revoke(args: argparse.Namespace) -> None:
+    revoked = pki.revoke(args.ca, args.target, passphrase=_read_passphrase(args.passphrase_file))
+    for e in revoked:
+        print(f"revoked {e.kind} certificate '{e.name}' (serial {e.serial}, bundle {e.path})")
+    if any(e.kind == "hub" for e in revoked):
+        print("note: silos cannot check a CRL for the hub; issue a new hub certificate now "
+              f"(`silo-certs renew hub --ca {args.ca}`) and see docs/security.md on a compromised hub key")
+    _print_crl(args.ca)
+
+
+def _add_crl(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "crl",
+        help="re-sign the CRL (refresh its validity)",
+        description="Re-sign crl.pem from the inventory, e.g. monthly, before its next-update date passes.",
+    )
+    p.add_argument("--ca", required=True, type=Path, help="CA directory")
+    _add_passphrase(p, "unlocks")
+
+
+def _cmd_crl(args: argparse.Namespace) -> None:
+    pki.write_crl(args.ca, passphrase=_read_passphrase(args.passphrase_file))
+    _print_crl(args.ca)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# renew
+
+
+def _add_renew(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "renew",
+        help="issue a fresh certificate for an existing identity",
+        description="Issue a new key and certificate for NAME (a silo name, or 'hub') into a new bundle directory. "
+        "The old certificate keeps working until it expires, unless --revoke-old.",
+    )
+    p.add_argument("name", help="silo name, or 'hub'")
+    p.add_argument("--ca", required=True, type=Path, help="CA directory")
+    p.add_argument(
+        "--out", type=Path, help="bundle directory to write (default: NAME.renewed-DATE beside the old bundle)"
+    )
+    p.add_argument("--days", type=int, default=90, help="validity in days (default: %(default)s)")
+    p.add_argument("--dns", action="append", default=[], metavar="NAME",
+                   help="hub only: DNS names (default: those of the hub's current certificate)")
+    p.add_argument("--ip", action="append", default=[], metavar="ADDR",
+                   help="hub only: IP addresses (default: those of the hub's current certificate)")
+    p.add_argument("--revoke-old", action="store_true",
+                   help="revoke the identity's older certificates once the new one is written")
+    _add_passphrase(p, "unlocks")
+
+
+def _cmd_renew(args: argparse.Namespace) -> None:
+    passphrase = _read_passphrase(args.passphrase_file)
+    old = [e for e in pki.load_inventory(args.ca) if e.name == args.name]
+    out = pki.renew(args.ca, args.name, out_dir=args.out, days=args.days, passphrase=passphrase,
+                    dns=args.dns, ips=args.ip, revoke_old=args.revoke_old)
+    cert = (out / pki.BUNDLE_CERT).read_bytes()
+    kind = old[-1].kind if old else "silo"
+    print(f"renewed {kind} certificate '{args.name}' (expires in {pki.cert_days_left(cert):.0f} days)")
+    _print_bundle(out)
+    if kind == "hub":
+        print(f"  {out / pki.BUNDLE_CRL}    revocation list")
+        print(f"next: copy {out / pki.BUNDLE_KEY} and {out / pki.BUNDLE_CERT} over those in the hub's bundle "
+              "(server.certs); the running hub serves the new certificate to new connections, no restart")
+    else:
+        print(f"next: copy {out} to the branch '{args.name}' (e.g. over its old bundle directory) and restart "
+              "silo-client there with --certs pointing at it")
+    if args.revoke_old:
+        print(f"revoked the older certificate(s) of '{args.name}'")
+        _print_crl(args.ca)
+    else:
+        who = "the hub serves" if kind == "hub" else "the branch uses"
+        print(f"the old certificate stays valid until it expires; once {who} the new one, revoke the old: "
+              f"`silo-certs revoke SERIAL --ca {args.ca}` (serials: `silo-certs list --ca {args.ca}`)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -209,6 +318,9 @@ _COMMANDS: dict[
     "issue-hub": (_add_issue_hub, _cmd_issue_hub),
     "issue-silo": (_add_issue_silo, _cmd_issue_silo),
     "list": (_add_list, _cmd_list),
+    "revoke": (_add_revoke, _cmd_revoke),
+    "renew": (_add_renew, _cmd_renew),
+    "crl": (_add_crl, _cmd_crl),
 }
 
 

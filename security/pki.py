@@ -13,10 +13,13 @@ machine::
     ca.pem        the federation CA certificate (trust anchor for the peer)
     cert.pem      this machine's certificate
     key.pem       this machine's private key (0600, never encrypted: gRPC cannot read encrypted keys)
+    crl.pem       hub bundles only: a copy of the CA's revocation list, which the hub checks on every call
+                  (replace it with the CA's crl.pem after each `silo-certs revoke`; the hub reloads it)
 
 All keys are ECDSA P-256 and all signatures SHA-256: small, fast, and supported by every TLS stack gRPC uses.
 The inventory keeps a ``status`` per certificate and the CRL is rebuilt from it (:func:`write_crl`), so revoking
-is "mark the entry revoked, rewrite the CRL" and renewing is "issue again under a new serial".
+is "mark the entry revoked, rewrite the CRL" (:func:`revoke`) and renewing is "issue again under a new serial"
+(:func:`renew`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,14 @@ INVENTORY = "issued.json"
 BUNDLE_CA = "ca.pem"
 BUNDLE_CERT = "cert.pem"
 BUNDLE_KEY = "key.pem"
+BUNDLE_CRL = "crl.pem"
 
 HUB_CN = "hub"
 DEFAULT_HUB_DNS = ("localhost",)
 DEFAULT_HUB_IPS = ("127.0.0.1",)
 
+# "hub" is the hub's CN; a silo of that name would be ambiguous in logs, metrics and `silo-certs revoke hub`.
+RESERVED_SILO_NAMES = frozenset({HUB_CN})
 # Silo names become a certificate CN, a DNS SAN and a directory name, so keep them to a boring, portable set.
 _SILO_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # Backdate notBefore a little so a peer whose clock runs slightly behind does not reject a fresh certificate.
@@ -71,7 +77,7 @@ class IssuedCert:
     serial: str  # hex, lower case, no 0x
     not_after: str  # ISO 8601, UTC
     path: str  # bundle directory, absolute
-    status: str = "valid"  # "valid" or "revoked" (revocation comes with `silo-certs revoke`)
+    status: str = "valid"  # "valid" or "revoked" (`silo-certs revoke`); expiry is computed, never stored
     revoked_at: str | None = None
 
 
@@ -239,12 +245,15 @@ def issue_hub(
     ips: list[str] | None = None,
     days: int = 90,
     passphrase: bytes | None = None,
+    *,
+    not_before: dt.datetime | None = None,
 ) -> Path:
     """Issue the hub's server certificate into the bundle ``out_dir`` and return ``out_dir``.
 
     SANs are the given DNS names and IP addresses; with neither, ``localhost`` and ``127.0.0.1``. Silos verify
     the hub against these SANs, so list every name or address the silos dial.
-    ``passphrase`` unlocks the CA key.
+    ``passphrase`` unlocks the CA key. The bundle also gets a copy of the CA's current crl.pem.
+    ``not_before`` (default: now) starts the validity elsewhere, e.g. in the past to test expiry handling.
     """
     dns = list(dns or [])
     ips = list(ips or [])
@@ -261,21 +270,27 @@ def issue_hub(
         except ValueError as e:
             raise PkiError(f"invalid IP address {ip!r} for the hub certificate") from e
     return _issue_bundle(
-        ca_dir, out_dir, "hub", HUB_CN, sans, ExtendedKeyUsageOID.SERVER_AUTH, days, passphrase
+        ca_dir, out_dir, "hub", HUB_CN, sans, ExtendedKeyUsageOID.SERVER_AUTH, days, passphrase, not_before
     )
 
 
 def issue_silo(
-    ca_dir: Path, name: str, out_dir: Path, days: int = 90, passphrase: bytes | None = None
+    ca_dir: Path,
+    name: str,
+    out_dir: Path,
+    days: int = 90,
+    passphrase: bytes | None = None,
+    *,
+    not_before: dt.datetime | None = None,
 ) -> Path:
     """Issue the client certificate of silo ``name`` (its identity: CN = name) into the bundle ``out_dir``.
 
-    ``passphrase`` unlocks the CA key.
+    ``passphrase`` unlocks the CA key; ``not_before`` as for :func:`issue_hub`.
     """
     validate_silo_name(name)
     sans: list[x509.GeneralName] = [x509.DNSName(name)]
     return _issue_bundle(
-        ca_dir, out_dir, "silo", name, sans, ExtendedKeyUsageOID.CLIENT_AUTH, days, passphrase
+        ca_dir, out_dir, "silo", name, sans, ExtendedKeyUsageOID.CLIENT_AUTH, days, passphrase, not_before
     )
 
 
@@ -285,6 +300,8 @@ def validate_silo_name(name: str) -> None:
         raise PkiError(
             f"invalid silo name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (not starting with '.')"
         )
+    if name in RESERVED_SILO_NAMES:
+        raise PkiError(f"invalid silo name {name!r}: it is reserved for the hub's own certificate; pick another")
 
 
 def _issue_bundle(
@@ -296,15 +313,19 @@ def _issue_bundle(
     eku: x509.ObjectIdentifier,
     days: int,
     passphrase: bytes | None,
+    not_before: dt.datetime | None = None,
 ) -> Path:
     ca_dir, out_dir = Path(ca_dir), Path(out_dir)
     _check_days(days)
+    files = (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA) + ((BUNDLE_CRL,) if kind == "hub" else ())
     # Check the destination before unlocking the CA, so a typo costs nothing.
-    _refuse_existing(out_dir / f for f in (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA))
+    _refuse_existing(out_dir / f for f in files)
     ca_cert, ca_key = load_ca(ca_dir, passphrase)
 
     now = _now()
-    not_after = now + dt.timedelta(days=days)
+    # Backdated a little by default (clock skew); an explicit not_before is taken as is and counts the days.
+    valid_from = now - _CLOCK_SKEW if not_before is None else not_before
+    not_after = (now if not_before is None else not_before) + dt.timedelta(days=days)
     if not_after > ca_cert.not_valid_after_utc:
         # A leaf that outlives its CA would fail verification on the day the CA expires anyway; say so now.
         raise PkiError(
@@ -319,7 +340,7 @@ def _issue_bundle(
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_before(valid_from)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
@@ -347,6 +368,9 @@ def _issue_bundle(
     _write_new(out_dir / BUNDLE_KEY, _key_pem(key), mode=0o600)
     _write_new(out_dir / BUNDLE_CERT, cert.public_bytes(serialization.Encoding.PEM))
     shutil.copyfile(ca_dir / CA_CERT, out_dir / BUNDLE_CA)
+    if kind == "hub":
+        # The hub checks every caller against this copy; `silo-certs revoke` says when to replace it.
+        shutil.copyfile(ca_dir / CRL, out_dir / BUNDLE_CRL)
 
     entries = load_inventory(ca_dir)
     entries.append(
@@ -388,16 +412,155 @@ def _save_inventory(ca_dir: Path, entries: list[IssuedCert]) -> None:
 def write_crl(ca_dir: Path, passphrase: bytes | None = None) -> Path:
     """Re-sign ``crl.pem`` from the inventory: every entry with status "revoked" is listed.
 
-    Revocation (a later `silo-certs revoke`) is: set status/revoked_at in issued.json, then call this.
+    Also the way to refresh the CRL before its nextUpdate passes (`silo-certs crl`).
     """
     ca_dir = Path(ca_dir)
     ca_cert, ca_key = load_ca(ca_dir, passphrase)
-    revoked = [
+    return _write_crl_file(ca_dir, ca_cert, ca_key, _revoked_of(load_inventory(ca_dir)))
+
+
+def _revoked_of(entries: list[IssuedCert]) -> list[tuple[int, dt.datetime]]:
+    return [
         (int(e.serial, 16), dt.datetime.fromisoformat(e.revoked_at) if e.revoked_at else _now())
-        for e in load_inventory(ca_dir)
+        for e in entries
         if e.status == "revoked"
     ]
-    return _write_crl_file(ca_dir, ca_cert, ca_key, revoked)
+
+
+def _normalise_serial(text: str) -> str | None:
+    """'0x3F:a2...' -> '3fa2...' (openssl prints serials with colons); None if ``text`` is not hex."""
+    t = text.strip().lower().replace(":", "")
+    t = t[2:] if t.startswith("0x") else t
+    if not t or any(c not in "0123456789abcdef" for c in t):
+        return None
+    return t.lstrip("0") or "0"  # the inventory writes serials without leading zeros
+
+
+def find_certificates(ca_dir: Path, target: str) -> list[IssuedCert]:
+    """Inventory entries that ``target`` names: a serial (or a unique prefix of 8+ hex digits) or a CN.
+
+    A serial selects exactly one certificate; a name selects every certificate ever issued under it.
+    """
+    entries = load_inventory(ca_dir)
+    serial = _normalise_serial(target)
+    if serial is not None:
+        exact = [e for e in entries if e.serial == serial]
+        if exact:
+            return exact
+        if len(serial) >= 8:
+            prefixed = [e for e in entries if e.serial.startswith(serial)]
+            if len(prefixed) == 1:
+                return prefixed
+            if len(prefixed) > 1:
+                raise PkiError(f"serial prefix {target!r} matches {len(prefixed)} certificates; give more digits")
+    named = [e for e in entries if e.name == target]
+    if not named:
+        raise PkiError(
+            f"no certificate named {target!r} or with that serial in {Path(ca_dir) / INVENTORY}; "
+            f"see `silo-certs list --ca {ca_dir}`"
+        )
+    return named
+
+
+def revoke(ca_dir: Path, target: str, passphrase: bytes | None = None) -> list[IssuedCert]:
+    """Revoke the certificate(s) ``target`` names (see :func:`find_certificates`) and re-sign crl.pem.
+
+    Returns the entries revoked now. Revoking a name revokes every certificate of that identity that is not
+    revoked yet (a stolen key makes all of them suspect). Raises PkiError when there is nothing left to revoke.
+    """
+    ca_dir = Path(ca_dir)
+    matches = find_certificates(ca_dir, target)
+    fresh = [e for e in matches if e.status != "revoked"]
+    if not fresh:
+        serials = ", ".join(e.serial for e in matches)
+        raise PkiError(f"{target!r} is already revoked (serial {serials}); nothing to do")
+    # Unlock the CA before changing anything, so a wrong passphrase leaves the inventory as it was.
+    ca_cert, ca_key = load_ca(ca_dir, passphrase)
+    entries = load_inventory(ca_dir)
+    when = _now().isoformat()
+    chosen = {e.serial for e in fresh}
+    for e in entries:
+        if e.serial in chosen:
+            e.status, e.revoked_at = "revoked", when
+    # The CRL first: it is what the hub enforces. Should saving the inventory fail afterwards, `revoke` again
+    # finds the entry still valid and simply re-signs the same list.
+    _write_crl_file(ca_dir, ca_cert, ca_key, _revoked_of(entries))
+    _save_inventory(ca_dir, entries)
+    return [e for e in entries if e.serial in chosen]
+
+
+def renew(
+    ca_dir: Path,
+    name: str,
+    out_dir: Path | None = None,
+    days: int = 90,
+    passphrase: bytes | None = None,
+    dns: list[str] | None = None,
+    ips: list[str] | None = None,
+    revoke_old: bool = False,
+) -> Path:
+    """Issue a fresh certificate (new key, new serial) for the identity ``name`` and return its bundle directory.
+
+    The kind (hub or silo) comes from the newest certificate of that name. A hub keeps the SANs of its newest
+    certificate unless ``dns``/``ips`` are given. The old certificates stay valid until they expire, so the
+    new bundle can be rolled out without downtime, unless ``revoke_old`` revokes them once the new one exists.
+    ``out_dir`` defaults to ``NAME.renewed-YYYY-MM-DD`` beside the newest bundle; nothing is ever overwritten.
+    """
+    ca_dir = Path(ca_dir)
+    previous = [e for e in load_inventory(ca_dir) if e.name == name]
+    if not previous:
+        raise PkiError(
+            f"no certificate named {name!r} in {ca_dir / INVENTORY}; issue one with "
+            f"`silo-certs issue-silo {name} --ca {ca_dir}` (see `silo-certs list --ca {ca_dir}`)"
+        )
+    latest = previous[-1]
+    if out_dir is None:
+        out_dir = Path(latest.path).parent / f"{name}.renewed-{_now():%Y-%m-%d}"
+        if out_dir.exists():
+            raise PkiError(f"{out_dir} already exists (renewed today already?); choose a directory with --out")
+    if latest.kind == "hub":
+        if not dns and not ips:
+            dns, ips = _sans_of(Path(latest.path) / BUNDLE_CERT, latest.serial)
+        out = issue_hub(ca_dir, out_dir, dns=dns, ips=ips, days=days, passphrase=passphrase)
+    else:
+        if dns or ips:
+            raise PkiError("--dns/--ip apply to the hub's certificate only; a silo is named by its CN")
+        out = issue_silo(ca_dir, name, out_dir, days=days, passphrase=passphrase)
+    if revoke_old:
+        for e in previous:
+            if e.status != "revoked":
+                revoke(ca_dir, e.serial, passphrase)
+        if latest.kind == "hub":  # the new bundle's CRL copy predates these revocations
+            _write_atomic(out / BUNDLE_CRL, (ca_dir / CRL).read_bytes())
+    return out
+
+
+def _sans_of(cert_path: Path, serial: str) -> tuple[list[str], list[str]]:
+    """The DNS and IP SANs of the hub certificate at ``cert_path`` (it must be the one with ``serial``)."""
+    hint = "give the hub's names again with --dns/--ip"
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise PkiError(f"cannot read the previous hub certificate {cert_path} to copy its names; {hint}") from e
+    if format(cert.serial_number, "x") != serial:
+        raise PkiError(f"{cert_path} is not the certificate the inventory lists (serial {serial}); {hint}")
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise PkiError(f"{cert_path} has no subject alternative names; {hint}") from None
+    return list(san.get_values_for_type(x509.DNSName)), [str(a) for a in san.get_values_for_type(x509.IPAddress)]
+
+
+def display_status(entry: IssuedCert, entries: list[IssuedCert], now: dt.datetime | None = None) -> str:
+    """What `silo-certs list` shows: revoked, expired, superseded (a newer one of the same name exists) or valid."""
+    if entry.status == "revoked":
+        return "revoked"
+    if dt.datetime.fromisoformat(entry.not_after) <= (now or _now()):
+        return "expired"
+    later = entries[entries.index(entry) + 1 :]
+    if any(e.name == entry.name and e.kind == entry.kind for e in later):
+        return "superseded"  # still accepted until it expires or is revoked
+    return "valid"
 
 
 def _write_crl_file(
@@ -426,14 +589,28 @@ def _write_crl_file(
 def load_crl(ca_dir: Path) -> x509.CertificateRevocationList:
     """Load ``crl.pem`` and check it is signed by the CA in the same directory."""
     ca_dir = Path(ca_dir)
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_CERT).read_bytes())
-    crl = x509.load_pem_x509_crl((ca_dir / CRL).read_bytes())
+    return parse_crl((ca_dir / CRL).read_bytes(), (ca_dir / CA_CERT).read_bytes(), str(ca_dir / CRL))
+
+
+def parse_crl(crl_pem: bytes, ca_pem: bytes, where: str = CRL) -> x509.CertificateRevocationList:
+    """Parse a PEM CRL and check that the CA in ``ca_pem`` issued and signed it; PkiError otherwise.
+
+    ``where`` names the file in error messages.
+    """
+    ca_cert = _load_cert(ca_pem)
     try:
-        valid = crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]
-    except InvalidSignature:
+        crl = x509.load_pem_x509_crl(crl_pem)
+    except ValueError as e:
+        raise PkiError(f"{where} is not a PEM certificate revocation list ({e})") from e
+    try:
+        valid = crl.issuer == ca_cert.subject and crl.is_signature_valid(ca_cert.public_key())  # type: ignore[arg-type]
+    except (InvalidSignature, TypeError):
         valid = False
     if not valid:
-        raise PkiError(f"{ca_dir / CRL} is not signed by {ca_dir / CA_CERT}")
+        raise PkiError(
+            f"{where} is not signed by the federation CA; copy the crl.pem from the CA directory that issued "
+            "the certificates"
+        )
     return crl
 
 

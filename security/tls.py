@@ -1,8 +1,17 @@
 """gRPC mutual-TLS credentials built from a bundle directory (ca.pem, cert.pem, key.pem; see security.pki).
 
-The hub serves with ``server_credentials`` (client certificates required and verified against the federation
-CA); a silo dials with ``secure_channel``. On the hub, ``peer_identity(context)`` is the only source of a
-caller's identity: the CN of the client certificate that the TLS handshake verified.
+The hub serves with ``ReloadingServerCredentials`` (client certificates required and verified against the
+federation CA; a renewed hub certificate in the bundle is served to new connections without a restart) or the
+static ``server_credentials``; a silo dials with ``secure_channel``. On the hub, ``peer_identity(context)`` is
+the only source of a caller's identity: the CN of the client certificate that the TLS handshake verified.
+
+TLS versions: gRPC Python exposes no minimum-version setting, so silokit cannot force TLS 1.3. The TLS stack
+inside grpcio (BoringSSL) accepts TLS 1.2 and 1.3 and nothing older; two silokit peers always negotiate TLS 1.3
+(both sides offer it). A TLS 1.2 client still needs a client certificate from the federation CA, and gets only
+ECDHE key exchange with AEAD ciphers (forward secrecy). docs/security.md has the details.
+
+``insecure_dev_channel`` is the silo's side of ``silo-server --insecure-dev-only``: plaintext, loopback only, with
+a *declared* silo id in the call metadata. The hub reads that id only in that mode; with TLS it never looks.
 
 Bundles are checked here before gRPC sees them (files present, key matches certificate, certificate signed by
 the bundle's CA, right purpose, not expired) because gRPC reports all of those as an opaque handshake failure
@@ -11,8 +20,13 @@ on the *other* machine.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
-from collections.abc import Sequence
+import ipaddress
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +36,15 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from security.pki import BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY
+from security.pki import BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY, PkiError, validate_silo_name
+
+log = logging.getLogger("security")
 
 # auth_context() keys set by gRPC's TLS transport for a verified peer.
 _CN_KEY = "x509_common_name"
 _PEM_KEY = "x509_pem_cert"
+# Call metadata carrying a silo's declared id in --insecure-dev-only mode (and only there).
+DEV_IDENTITY_KEY = "silokit-insecure-dev-silo-id"
 
 
 class TlsError(Exception):
@@ -110,6 +128,70 @@ def server_credentials(bundle_dir: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
 
 
+class ReloadingServerCredentials:
+    """Hub credentials that serve a renewed certificate (or a rotated CA) to new connections without a restart.
+
+    gRPC asks ``_fetch`` before every new TLS handshake; it stat()s the bundle's three files and, when one
+    changed, re-reads and re-checks the whole bundle. A bundle caught half-copied (a new cert.pem with the old
+    key.pem) or otherwise unusable is skipped with one warning, and the current certificate stays in service
+    until the files are consistent again. Established connections keep the certificate they started with.
+    ``on_load(cert_pem)`` runs for the first certificate and each reloaded one (the hub records its expiry).
+    """
+
+    def __init__(self, bundle_dir: Path, on_load: Callable[[bytes], None] | None = None):
+        self.bundle_dir = Path(bundle_dir)
+        self.on_load = on_load
+        self._lock = threading.Lock()
+        self.reloads = 0
+        seen = self._signatures()
+        ca, cert, key = _read_bundle(self.bundle_dir, "server")
+        self._loaded, self._rejected = seen, None
+        if on_load is not None:
+            on_load(cert)
+        self.credentials = grpc.dynamic_ssl_server_credentials(
+            self._configuration(ca, cert, key), self._fetch, require_client_authentication=True
+        )
+
+    @staticmethod
+    def _configuration(ca: bytes, cert: bytes, key: bytes) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def _signatures(self) -> tuple:
+        out = []
+        for name in (BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY):
+            try:
+                st = os.stat(self.bundle_dir / name)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        # Runs inside gRPC's handshake: it must never raise, and it returns None for "no change".
+        try:
+            seen = self._signatures()
+            if seen in (self._loaded, self._rejected):
+                return None
+            with self._lock:
+                if seen in (self._loaded, self._rejected):
+                    return None
+                try:
+                    ca, cert, key = _read_bundle(self.bundle_dir, "server")
+                except TlsError as e:
+                    self._rejected = seen
+                    log.warning("hub certificate bundle changed but is not usable yet (%s); still serving the "
+                                "previous certificate", e)
+                    return None
+                self._loaded, self._rejected = seen, None
+                self.reloads += 1
+                if self.on_load is not None:
+                    self.on_load(cert)
+                return self._configuration(ca, cert, key)
+        except Exception:  # a bug here must not take the listener down
+            log.exception("reloading the hub certificate failed; still serving the previous certificate")
+            return None
+
+
 def channel_credentials(bundle_dir: Path) -> grpc.ChannelCredentials:
     """Silo credentials: trust only the federation CA and present the silo's client certificate."""
     ca, cert, key = _read_bundle(bundle_dir, "client")
@@ -150,3 +232,81 @@ def peer_certificate(context: grpc.ServicerContext) -> bytes | None:
         return None
     value = values[0]
     return value if isinstance(value, bytes) else str(value).encode()
+
+
+# ---------------------------------------------------------------------------------------------- development mode
+
+
+def is_loopback_target(target: str) -> bool:
+    """True when ``target`` ("host:port") names this machine: localhost, 127.0.0.0/8 or ::1."""
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _DeclaredIdentity(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the declared silo id to every call's metadata."""
+
+    def __init__(self, silo_id: str):
+        self.silo_id = silo_id
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(d.metadata or ()), (DEV_IDENTITY_KEY, self.silo_id)]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def insecure_dev_channel(target: str, silo_id: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A plaintext channel to a hub started with ``--insecure-dev-only``, declaring ``silo_id`` on every call.
+
+    Development only: nothing is encrypted and nothing proves the id, which is why the hub offers this mode on
+    127.0.0.1 only and why this refuses any other target.
+    """
+    if not is_loopback_target(target):
+        raise TlsError(
+            f"--insecure-dev-only talks to a hub on this machine only (127.0.0.1, ::1 or localhost), not {target}; "
+            "use --certs with a bundle from `silo-certs issue-silo` for a real hub"
+        )
+    try:
+        validate_silo_name(silo_id)
+    except PkiError as e:
+        raise TlsError(f"{e} (--silo-id)") from None
+    return grpc.intercept_channel(grpc.insecure_channel(target, options=list(options)), _DeclaredIdentity(silo_id))
+
+
+def declared_identity(context: grpc.ServicerContext) -> str | None:
+    """The silo id a caller declared in its metadata. Meaningful ONLY on a --insecure-dev-only hub."""
+    for key, value in context.invocation_metadata() or ():
+        if key == DEV_IDENTITY_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None

@@ -16,15 +16,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optional folder of labeled images, one sub-folder per class in the hub's class order "
                         "(HASSLE trains on them; a fully labeled site may omit --data)")
     p.add_argument("--hub", default="localhost:50051", help="HOST:PORT of the hub (default localhost:50051)")
-    p.add_argument("--certs", required=True, type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem")
+    p.add_argument("--certs", type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem (required)")
+    p.add_argument("--insecure-dev-only", action="store_true",
+                   help="DEVELOPMENT ONLY: plaintext to a `silo-server --insecure-dev-only` hub on this machine, "
+                        "without certificates; needs --silo-id. Never with real data")
+    p.add_argument("--silo-id", help="with --insecure-dev-only: the silo id to declare (with TLS the id is the "
+                                     "certificate's name)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--state-dir", type=Path, help="where this silo keeps its own state (default beside --data)")
     p.add_argument("--connect-timeout", type=float, default=300.0,
                    help="give up when the hub stays unreachable this many seconds (0: never; default 300)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port (0 picks a free one; default: not served)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
     p.add_argument("--sim-labels", type=Path, help=argparse.SUPPRESS)  # simulation only
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs and full tracebacks on errors")
     return p
+
+
+def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.insecure_dev_only:
+        if not args.silo_id:
+            parser.error("--insecure-dev-only needs --silo-id NAME (there is no certificate to name this silo)")
+        if args.certs:
+            parser.error("--certs and --insecure-dev-only exclude each other: drop --insecure-dev-only to use TLS")
+    else:
+        if args.silo_id:
+            parser.error("--silo-id only applies with --insecure-dev-only; with TLS the id is the certificate's name")
+        if not args.certs:
+            parser.error("the following arguments are required: --certs (a bundle from `silo-certs issue-silo`)")
+def silo_label(certs: Path) -> str:
+    """The silo id for metric labels: the CN of the bundle's certificate (the identity the hub sees)."""
+    from security.pki import cert_common_name
+
+    try:
+        return cert_common_name((certs / "cert.pem").read_bytes())
+    except Exception:  # a broken bundle is reported by the TLS checks right after; label it by folder meanwhile
+        return certs.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.data is None and args.labeled is None:
         parser.error("give --data (a folder of unlabeled images) and/or --labeled (a folder of labeled images)")
+    _check_mode(parser, args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -44,14 +75,27 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    client = None
+    client = server = None
     try:
+        metrics = None
+        if args.metrics_port is not None:
+            from silo_client.metrics import SiloMetricFamilies, SiloMetrics
+
+            families = SiloMetricFamilies()
+            label = args.silo_id if args.insecure_dev_only else silo_label(args.certs)
+            metrics = SiloMetrics(families, label, certs=args.certs)
+            server = families.serve(args.metrics_host, args.metrics_port)
+            logging.getLogger("silo_client").info("metrics at %s", server.url)
         client = SiloClient(SiloSettings(
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
-        ))
+            insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None,
+        ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
-        return client.run_forever()
+        rc = client.run_forever()
+        if server is not None and not client.stop_event.is_set():
+            server.wait_for_scrape(30.0)  # the run is over: let a watching Prometheus collect the final values
+        return rc
     except KeyboardInterrupt:
         return 130
     except (DataError, TlsError, SiloError, ValueError, OSError) as err:
@@ -62,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if client is not None:
             client.close()
+        if server is not None:
+            server.close()
 
 
 if __name__ == "__main__":

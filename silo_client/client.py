@@ -19,13 +19,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from security.tls import secure_channel
+from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.tensors import (
+    DTYPES,
     CodecError,
     TensorSpec,
     assemble,
@@ -47,7 +49,7 @@ class SiloError(RuntimeError):
 @dataclass
 class SiloSettings:
     hub: str
-    certs: Path
+    certs: Path | None  # None only with insecure_dev_silo_id
     data: Path | None  # unlabeled images; a fully labeled site may have none
     device: str = "auto"
     state_dir: Path | None = None
@@ -55,6 +57,8 @@ class SiloSettings:
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
     name: str = ""  # for log lines; identity itself comes from the certificate
     labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
+    # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
+    insecure_dev_silo_id: str | None = None
 
 
 def count_image_files(root: Path) -> int:
@@ -88,8 +92,10 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
 
 class SiloClient:
     def __init__(self, settings: SiloSettings, train_lock: threading.Lock | None = None,
-                 stop_event: threading.Event | None = None):
+                 stop_event: threading.Event | None = None, metrics: SiloMetrics | None = None):
         self.s = settings
+        # Always kept; served only when the caller serves them (silo-client --metrics-port, silo-sim workers).
+        self.metrics = metrics or SiloMetrics(SiloMetricFamilies(), settings.name or "silo")
         self.log = logging.getLogger(f"silo_client.{settings.name}" if settings.name else "silo_client")
         self.train_lock = train_lock or threading.Lock()
         self.stop_event = stop_event or threading.Event()
@@ -102,10 +108,18 @@ class SiloClient:
         if self.num_files == 0 and settings.data is not None and self.num_labeled_files == 0:
             raise DataError(f"data folder {settings.data} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"point --data at the folder of this silo's images")
-        self.channel = secure_channel(settings.hub, settings.certs, options=[
+        options = [
             ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 0),
-        ])
+        ]
+        if settings.insecure_dev_silo_id:
+            self.log.warning("INSECURE DEVELOPMENT MODE: plaintext to %s, declaring silo id %s without a certificate; "
+                             "never use this with real data", settings.hub, settings.insecure_dev_silo_id)
+            self.channel = insecure_dev_channel(settings.hub, settings.insecure_dev_silo_id, options)
+        elif settings.certs is None:
+            raise SiloError("no certificate bundle given: pass --certs with a bundle from `silo-certs issue-silo`")
+        else:
+            self.channel = secure_channel(settings.hub, settings.certs, options=options)
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
         self.silo_id = ""
@@ -129,6 +143,7 @@ class SiloClient:
                           run.model, run.total_rounds)
         self.run, self.silo_id = run, reply.silo_id
         self._prepare(run)
+        self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
 
     def _prepare(self, run: silo_pb2.RunDescription) -> None:
         key = (run.image_size, run.in_channels)
@@ -194,6 +209,7 @@ class SiloClient:
                                     timeout=600)
         payload = assemble(((c.offset, c.data) for c in stream), task.bundle_bytes, task.bundle_sha256,
                            max_bytes=max(task.bundle_bytes, 1))
+        self.metrics.received(len(payload))
         tensors = decode(payload)
         # float16 on the wire (wire.half_precision) is widened back before training.
         return {k: (v.float() if v.dtype == torch.float16 else v) for k, v in tensors.items()}
@@ -212,6 +228,7 @@ class SiloClient:
                 yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
 
         self.stub.Upload(messages(), timeout=600)
+        self.metrics.sent(len(payload))
 
     def _train(self, task: silo_pb2.Task) -> None:
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
@@ -223,10 +240,15 @@ class SiloClient:
         with self.train_lock:
             result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
+        tensors = {}
         if not result.skipped:
-            check_tensors(result.tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
-        self._upload(task, result.tensors if not result.skipped else {}, metrics, result.skipped)
+            # Send each tensor in the dtype the hub declared (float16 for large ones with wire.half_precision).
+            tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
+                       for k, v in result.tensors.items()}
+            check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
+        self._upload(task, tensors, metrics, result.skipped)
         self.rounds_done.append(task.round)
+        self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round,
                       "skipped (nothing passed the threshold)" if result.skipped else "update sent",
                       metrics["train_seconds"], int(metrics.get("pl_selected", 0)), int(metrics.get("pl_total", 0)))
@@ -245,6 +267,7 @@ class SiloClient:
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
                 ), timeout=60)
                 backoff, unreachable_since = 1.0, None
+                self.metrics.contact()
                 if task.kind == silo_pb2.Task.DONE:
                     self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
                                   len(self.rounds_done))
@@ -255,6 +278,7 @@ class SiloClient:
                     self.stop_event.wait(min(task.retry_after_s, 5.0))
             except grpc.RpcError as err:
                 code = err.code()
+                self.metrics.hub_error(code.name)
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     # The hub restarted, or our task went stale: re-join and carry on.
                     self.log.info("hub says: %s; joining again", err.details())

@@ -15,11 +15,15 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
 import silo_core
-from security.tls import server_credentials
+from security.crl import RevocationList
+from security.gate import PeerGate
+from security.pki import BUNDLE_CA, BUNDLE_CRL, cert_days_left
+from security.tls import ReloadingServerCredentials
 from silo.v1 import silo_pb2_grpc
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
@@ -30,7 +34,8 @@ from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
 from silo_server.checkpoint import write_json_atomic
 from silo_server.config import DataSource, HubConfig
-from silo_server.hub import Hub
+from silo_server.hub import CERT_WARN_DAYS, Hub
+from silo_server.metrics import HubMetrics
 from silo_server.servicer import FederationServicer
 
 log = logging.getLogger("silo_server")
@@ -65,8 +70,9 @@ def model_spec_from(config: HubConfig, num_classes: int) -> ModelSpec:
 class HubApp:
     """A configured hub, ready to serve. Tests and silo-sim drive it in-process too."""
 
-    def __init__(self, config: HubConfig):
+    def __init__(self, config: HubConfig, insecure_dev_only: bool = False):
         self.config = config
+        self.insecure_dev_only = insecure_dev_only
         if config.run.threads:
             torch.set_num_threads(config.run.threads)
         self.device = resolve_device(config.run.device)
@@ -99,10 +105,14 @@ class HubApp:
             max_attempts=r.max_attempts,
             liveness_s=r.liveness_s,
             max_upload_bytes=config.wire.max_upload_bytes,
+            max_update_norm=config.security.max_update_norm,
             half_precision=config.wire.half_precision,
             evaluate=self.evaluate if self.test is not None else None,
             seed=config.run.seed,
         )
+        self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
+                                   version=getattr(silo_core, "__version__", "0.1.0"))
+                        if config.metrics.enabled else None)
         self.server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -137,31 +147,99 @@ class HubApp:
             ],
             maximum_concurrent_rpcs=s.max_workers,
         )
+        # The bundle first: a missing or broken bundle is the likelier mistake, and its error says what to run.
+        if not self.insecure_dev_only:
+            self.credentials = ReloadingServerCredentials(s.certs, on_load=self._hub_certificate_loaded)
         silo_pb2_grpc.add_FederationServicer_to_server(
-            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes), self.server
+            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes, self.make_gate(),
+                               on_join=self.metrics.observe_silo_certificate if self.metrics else None),
+            self.server,
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        creds = server_credentials(s.certs)
-        address = f"{s.host}:{s.port}"
-        try:
-            self.port = self.server.add_secure_port(address, creds)
-        except RuntimeError:
-            self.port = 0
-        if not self.port:
-            raise OSError(f"cannot listen on {address}: the port is in use or the address is not local; "
-                          f"set server.port in the config to a free port")
+        if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
+            m = self.config.metrics
+            metrics_port = self.metrics.serve(m.host, m.port)
+            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
+        if self.insecure_dev_only:
+            # Never anything but loopback: there is no encryption and no proof of identity in this mode.
+            self.port = self._bind(f"127.0.0.1:{s.port}", None)
+        else:
+            self.port = self._bind(f"{s.host}:{s.port}", self.credentials.credentials)
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("silo.v1.Federation", health_pb2.HealthCheckResponse.SERVING)
         (Path(self.config.run.state_dir) / "port").write_text(str(self.port))
-        log.info("hub listening on %s:%d (mutual TLS, certificates from %s)", s.host, self.port, s.certs)
+        if self.insecure_dev_only:
+            self._warn_insecure(s.host)
+        else:
+            log.info("hub listening on %s:%d (mutual TLS, certificates from %s)", s.host, self.port, s.certs)
         return self.port
+
+    def _bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
+        try:
+            if credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, credentials)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise OSError(f"cannot listen on {address}: the port is in use or the address is not local; "
+                          f"set server.port in the config to a free port")
+        return port
+
+    def make_gate(self) -> PeerGate:
+        """Who may call: identity from the verified certificate, checked against the CRL and the allowlist."""
+        sec = self.config.security
+        if self.insecure_dev_only:
+            return PeerGate(allowed_silos=sec.allowed_silos, insecure_dev=True)
+        certs = self.config.server.certs
+        crl = sec.crl or Path(certs) / BUNDLE_CRL
+        revocations = RevocationList(crl, Path(certs) / BUNDLE_CA)
+        log.info("revocation list %s: %d revoked certificates; checked on every call, reloaded when it changes",
+                 crl, len(revocations.revoked_serials))
+        if sec.allowed_silos is not None:
+            log.info("allowlist: %d silos may join (security.allowed_silos)", len(sec.allowed_silos))
+        return PeerGate(revocations=revocations, allowed_silos=sec.allowed_silos)
+
+    def check_security(self) -> None:
+        """What start_server would refuse, without listening: the bundle, the CRL, the allowlist."""
+        if not self.insecure_dev_only:
+            ReloadingServerCredentials(self.config.server.certs, on_load=self._hub_certificate_loaded)
+        self.make_gate()
+
+    def _hub_certificate_loaded(self, cert_pem: bytes) -> None:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        self.hub.cert_not_after["hub"] = cert.not_valid_after_utc
+        days = cert_days_left(cert_pem)
+        level = logging.WARNING if days < CERT_WARN_DAYS else logging.INFO
+        log.log(level, "hub certificate serial %x: expires in %.1f days (%s)%s", cert.serial_number, days,
+                f"{cert.not_valid_after_utc:%Y-%m-%d}",
+                "; renew it with `silo-certs renew hub` and copy cert.pem and key.pem into server.certs"
+                if days < CERT_WARN_DAYS else "")
+
+    def _warn_insecure(self, configured_host: str) -> None:
+        bar = "!" * 100
+        lines = [
+            bar,
+            f"INSECURE DEVELOPMENT MODE (--insecure-dev-only): plaintext gRPC on 127.0.0.1:{self.port} only.",
+            "No encryption and no certificates: silos DECLARE their id (silo-client --insecure-dev-only --silo-id)",
+            "and any process on this machine can claim to be any silo. Never use this mode with real data.",
+            "Drop --insecure-dev-only to serve with mutual TLS.",
+            bar,
+        ]
+        if configured_host not in ("127.0.0.1", "localhost", "::1"):
+            lines.insert(2, f"server.host {configured_host} is ignored in this mode: nothing listens beyond loopback.")
+        for line in lines:
+            log.warning(line)
 
     def stop(self, grace: float = 1.0) -> None:
         self.hub.stop()
         if self.server is not None:
             self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def run(self) -> HubState:
         """Serve, run every round, export the model, linger so silos hear that the run is over, stop."""
@@ -179,20 +257,21 @@ class HubApp:
             if self.hub.stop_event.is_set():
                 return state
             self.export(state)
-            self.done_at = time.time()
             linger_until = time.time() + self.config.server.linger_s
             while time.time() < linger_until and not self.hub.stop_event.is_set():
                 if not self._silos_still_waiting():
                     break
                 time.sleep(0.2)
+            if self.metrics is not None and self.metrics.server is not None:
+                self.metrics.server.wait_for_scrape(self.config.metrics.final_scrape_s)  # the final round's values
             return state
         finally:
             self.stop()
 
     def _silos_still_waiting(self) -> bool:
-        # After the final round, silos learn DONE on their next poll; wait until each live one has polled since.
+        # After the final round, silos learn DONE on their next poll; wait until each live one has heard it.
         recent = [r for r in self.hub.silos.values() if time.time() - r.last_seen < self.config.rounds.liveness_s]
-        return any(r.last_seen < self.done_at for r in recent)
+        return any(not r.told_done for r in recent)
 
     # -------------------------------------------------------------- the result
     def export(self, state: HubState) -> Path:

@@ -15,7 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-server", description="Run the hub of a silokit federation.")
     p.add_argument("--config", required=True, help="path to hub.yaml (see examples/hub.yaml)")
     p.add_argument("--port", type=int, help="override server.port (0 picks a free port)")
-    p.add_argument("--check", action="store_true", help="validate the config and data, print the plan, exit")
+    p.add_argument("--metrics-port", type=int, help="override metrics.port (0 picks a free port)")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, data, certificates and CRL, print the plan, exit")
+    p.add_argument("--insecure-dev-only", action="store_true",
+                   help="DEVELOPMENT ONLY: serve plaintext on 127.0.0.1 without certificates; silos declare their "
+                        "id (silo-client --insecure-dev-only --silo-id NAME). Never with real data")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logs and full tracebacks on errors")
     return p
 
@@ -30,15 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.port is not None:
             config.server.port = args.port
+        if args.metrics_port is not None:
+            config.metrics.port = args.metrics_port
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
 
-        app = HubApp(config)
+        app = HubApp(config, insecure_dev_only=args.insecure_dev_only)
         if args.check:
+            app.check_security()
             print(f"config OK: {len(app.labeled)} labeled images in {len(app.labeled.classes)} classes, "
                   f"algorithm {config.algorithm.name}, {config.rounds.total} rounds, model {app.spec.name}")
             return 0
         state = app.run()
-        if app.hub.stop_event.is_set():
+        if state.round < config.rounds.total:
             print(f"hub stopped after round {state.round}; start it again to resume from the checkpoint")
             return 0
         last = app.hub.history[-1] if app.hub.history else {}

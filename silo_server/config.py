@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.models import MODELS
 
@@ -117,7 +118,40 @@ class RoundsSection(_Strict):
 class WireSection(_Strict):
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
     max_upload_bytes: int = Field(512 << 20, ge=1024)
-    half_precision: bool = Field(False, description="send the model as float16 (halves bytes down)")
+    half_precision: bool = Field(False, description="large float tensors travel as float16 (model and deltas)")
+
+
+class SecuritySection(_Strict):
+    """What the hub enforces beyond the TLS handshake (see docs/security.md)."""
+
+    crl: Path | None = Field(
+        None, description="the CA's crl.pem, checked on every call and reloaded when it changes "
+        "(default: crl.pem in server.certs)"
+    )
+    allowed_silos: list[str] | None = Field(
+        None, description="silo ids allowed in; others are refused even with a valid certificate (default: any)"
+    )
+    max_update_norm: float | None = Field(
+        None, gt=0, description="refuse an update whose L2 norm (delta tensors / weight) exceeds this (default: no bound)"
+    )
+
+    @field_validator("allowed_silos")
+    @classmethod
+    def _names(cls, names: list[str] | None) -> list[str] | None:
+        for name in names or []:
+            try:
+                validate_silo_name(name)
+            except PkiError as e:
+                raise ValueError(str(e)) from None
+        if names is not None and len(set(names)) != len(names):
+            raise ValueError("lists a silo twice")
+        return names
+class MetricsSection(_Strict):
+    enabled: bool = Field(True, description="serve Prometheus metrics at http://host:port/metrics")
+    host: str = Field("127.0.0.1", description="address of the metrics endpoint; 0.0.0.0 for a remote Prometheus")
+    port: int = Field(9400, ge=0, le=65535, description="0 picks a free port (written to state_dir/metrics_port)")
+    final_scrape_s: float = Field(30.0, ge=0, description="at the end, wait this long for a last scrape (only "
+                                  "when something has scraped the endpoint before)")
 
 
 class HubConfig(_Strict):
@@ -128,6 +162,8 @@ class HubConfig(_Strict):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     rounds: RoundsSection = Field(default_factory=RoundsSection)
     wire: WireSection = Field(default_factory=WireSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

@@ -2,13 +2,17 @@
 
 Plain Python, no gRPC: the servicer (silo_server/servicer.py) is a thin shell that passes the caller's verified
 certificate identity and the message in, and maps a Refusal to a gRPC status. Tests drive this class directly.
+Every field a silo sends goes through security.validation before it is used.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
+import math
 import random
+import resource
 import threading
 import time
 import uuid
@@ -19,22 +23,16 @@ from typing import Any
 
 import torch
 
+from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
-from silo_core.tensors import (
-    ChunkAssembler,
-    CodecError,
-    TensorSpec,
-    check_tensors,
-    decode,
-    encode,
-    sha256_hex,
-)
+from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
 from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
 
 log = logging.getLogger("silo_server")
 
 PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "failed")
+CERT_WARN_DAYS = 14.0  # certificates closer to expiry than this are logged as warnings
 
 
 class Refusal(Exception):
@@ -55,6 +53,7 @@ class SiloRecord:
     joined_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
     rounds_contributed: int = 0
+    told_done: bool = False  # has heard that the run is over
 
 
 @dataclass
@@ -68,6 +67,7 @@ class ActiveTask:
     hyperparameters_json: str
     sampled: set[str]
     deadline: float
+    expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
     started: float = field(default_factory=time.time)
     reported: set[str] = field(default_factory=set)
     skipped: set[str] = field(default_factory=set)
@@ -109,6 +109,7 @@ class Hub:
         max_attempts: int = 5,
         liveness_s: float = 60.0,
         max_upload_bytes: int = 512 << 20,
+        max_update_norm: float | None = None,
         half_precision: bool = False,
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -124,6 +125,7 @@ class Hub:
         self.max_attempts = max_attempts
         self.liveness_s = liveness_s
         self.max_upload_bytes = max_upload_bytes
+        self.max_update_norm = max_update_norm
         self.half_precision = half_precision
         self.evaluate = evaluate
         self.on_round = on_round
@@ -136,6 +138,10 @@ class Hub:
         self.round = 0
         self.history: list[dict[str, Any]] = []
         self.refusals: dict[str, int] = {}
+        # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
+        self.cert_not_after: dict[str, dt.datetime] = {}
+        # Monotonic event counts since this process started, read by silo_server/metrics.py at scrape time.
+        self.counters: dict[str, int] = {}
         self.stop_event = threading.Event()
         self.state: HubState | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -158,6 +164,10 @@ class Hub:
         log.warning("refused %s from %s: %s", reason, silo_id or "?", message)
         return Refusal(code, reason, message)
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.cond:
+            self.counters[name] = self.counters.get(name, 0) + n
+
     def _touch(self, silo_id: str) -> SiloRecord:
         record = self.silos.get(silo_id)
         if record is None:
@@ -165,8 +175,29 @@ class Hub:
         record.last_seen = time.time()
         return record
 
+    @property
+    def cert_days_left(self) -> dict[str, float]:
+        """Days until each known certificate expires: "hub" for the hub's own, silo ids for the silos'."""
+        now = dt.datetime.now(dt.UTC)
+        return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
+
+    def evict(self, silo_id: str) -> None:
+        """Stop sampling a silo whose certificate was revoked (its record stays for the model card)."""
+        with self.cond:
+            record = self.silos.get(silo_id)
+            if record is not None:
+                record.last_seen = 0.0
+
+    def validate(self, silo_id: str | None, check: Callable[[], Any]) -> Any:
+        """Run a security.validation check; its failure becomes a counted, logged Refusal."""
+        try:
+            return check()
+        except validation.Invalid as e:
+            raise self.refuse(silo_id, e.code, e.reason, e.message) from None
+
     def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0
              ) -> dict[str, Any]:
+        self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
         with self.cond:
             record = self.silos.get(silo_id) or SiloRecord(silo_id)
             record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
@@ -174,8 +205,12 @@ class Hub:
             record.last_seen = time.time()
             self.silos[silo_id] = record
             self.cond.notify_all()
-        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s)", silo_id, num_unlabeled,
-                 num_labeled, device)
+        days = self.cert_days_left.get(silo_id)
+        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s%s)", silo_id, num_unlabeled,
+                 num_labeled, device, "" if days is None else f", certificate expires in {days:.0f} days")
+        if days is not None and days < CERT_WARN_DAYS:
+            log.warning("the certificate of silo %s expires in %.1f days: renew it (`silo-certs renew %s`)",
+                        silo_id, days, silo_id)
         return self.run_description
 
     def _check_run(self, silo_id: str, run_id: str) -> None:
@@ -185,6 +220,7 @@ class Hub:
 
     def next_task(self, silo_id: str, run_id: str, wait_s: float) -> TaskView:
         end = time.time() + wait_s
+        self.validate(silo_id, lambda: validation.check_id("run_id", run_id))
         with self.cond:
             self._check_run(silo_id, run_id)
             self._touch(silo_id)
@@ -198,13 +234,15 @@ class Hub:
 
     def _task_for(self, silo_id: str) -> TaskView:
         if self.phase in ("done", "failed"):
+            if silo_id in self.silos:
+                self.silos[silo_id].told_done = True
             return TaskView("DONE", message=f"run {self.phase}")
         t = self.task
         if t and t.open and silo_id in t.sampled and silo_id not in t.reported:
             return TaskView(
                 "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
-                expected=t.plan.expected,
+                expected=t.expected,
             )
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {self.phase}, round {self.round}")
 
@@ -219,43 +257,43 @@ class Hub:
         return t
 
     def download(self, silo_id: str, run_id: str, task_id: str) -> bytes:
+        self.validate(silo_id, lambda: (validation.check_id("run_id", run_id), validation.check_id("task_id", task_id)))
         with self.cond:
             self._check_run(silo_id, run_id)
             self._touch(silo_id)
             t = self._task_of(silo_id, task_id)
             t.downloaded.add(silo_id)
             t.bytes_down += len(t.bundle)
+            self._count("sent_bytes", len(t.bundle))
             return t.bundle
 
     def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """Validate a whole result before it touches the round's sums; any fault refuses it and changes nothing."""
+        h = self.validate(silo_id, lambda: validation.check_upload_header(header))
         with self.cond:
-            self._check_run(silo_id, header.get("run_id", ""))
-            self._touch(silo_id)
-            t = self._task_of(silo_id, header.get("task_id", ""))
-            if int(header.get("round", -1)) != t.round:
+            self._check_run(silo_id, h.run_id)
+            record = self._touch(silo_id)
+            t = self._task_of(silo_id, h.task_id)
+            if h.round != t.round:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "wrong_round",
-                                  f"upload names round {header.get('round')}, current round is {t.round}")
+                                  f"upload names round {h.round}, current round is {t.round}")
             if silo_id in t.reported:
                 raise self.refuse(silo_id, "ALREADY_EXISTS", "duplicate", f"silo {silo_id} already reported round "
                                   f"{t.round}")
-        metrics = {str(k): float(v) for k, v in dict(header.get("metrics", {})).items()}
-        if not all(map(_finite, metrics.values())):
-            raise self.refuse(silo_id, "INVALID_ARGUMENT", "bad_metrics", "metrics hold NaN or infinite values")
-        skipped = bool(header.get("skipped", False))
-        total = int(header.get("total_bytes", 0))
-        tensors: dict[str, torch.Tensor] = {}
-        try:
-            assembler = ChunkAssembler(total, self.max_upload_bytes)
-            for offset, data in chunks:
-                assembler.add(offset, data)
-            payload = assembler.finish(str(header.get("sha256", "")))
-            if not skipped:
-                tensors = decode(payload, self.max_upload_bytes)
-                check_tensors(tensors, t.plan.expected, t.plan.groups)
-        except CodecError as err:
-            code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
-            raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+            # A silo's weight counts its images; it cannot exceed what the silo declared when it joined.
+            max_weight = float(max(1, record.num_unlabeled + record.num_labeled))
+        metrics, skipped, total = h.metrics, h.skipped, h.total_bytes
+
+        def read() -> dict[str, torch.Tensor]:
+            payload = validation.read_stream(total, h.sha256, chunks, self.max_upload_bytes,
+                                             still_open=lambda: t.open and self.task is t)
+            if skipped:
+                return {}
+            tensors = validation.decode_tensors(payload)
+            validation.check_update(tensors, t.expected, self.max_update_norm, max_weight, t.plan.groups)
+            return tensors
+
+        tensors = self.validate(silo_id, read)
         with self.cond:
             if self.task is not t or not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
@@ -268,6 +306,8 @@ class Hub:
             else:
                 self.silos[silo_id].rounds_contributed += 1
             t.bytes_up += total
+            self._count("received_bytes", total)
+            self._count("accepted_skips" if skipped else "accepted_updates")
             self.cond.notify_all()
         log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
                  len(t.reported), len(t.sampled))
@@ -342,7 +382,7 @@ class Hub:
                 round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
                 hyperparameters_json=json.dumps(plan.hyperparameters), sampled=sampled,
-                deadline=time.time() + self.deadline_s,
+                deadline=time.time() + self.deadline_s, expected=wire_specs(plan.expected, self.half_precision),
             )
             need = self._quorum_count(len(sampled))
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
@@ -357,10 +397,13 @@ class Hub:
                 self.phase = "aggregating"
             if len(task.reported) >= need:
                 summed = task.sums.result()
+                aggregation_started = time.time()
                 state, metrics = self.algorithm.finish_round(state, summed, task.sums.metrics)
+                metrics = {**metrics, "aggregation_seconds": time.time() - aggregation_started}
                 return self._complete_round(state, metrics, task.started, task)
             log.warning("round %d attempt %d: %d of %d sampled silos reported, below quorum %d; retrying the round",
                         r, attempt, len(task.reported), len(sampled), need)
+            self._count("below_quorum")
             with self.cond:
                 self.task = None
         raise RuntimeError(f"round {r} failed to reach quorum in {self.max_attempts} attempts; "
@@ -372,6 +415,7 @@ class Hub:
         if self.evaluate is not None:
             entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
         entry["round_seconds"] = time.time() - started
+        entry["hub_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if task is not None:
             reporters = len(task.reported)
             entry.update({
@@ -391,9 +435,22 @@ class Hub:
             self.task = None
             self.round = state.round
         log.info("round %d done: %s", state.round, json.dumps({k: _short(v) for k, v in entry.items()}))
+        self._log_security()
         if self.on_round is not None:
             self.on_round(entry)
         return state
+
+    def _log_security(self) -> None:
+        """Once a round: certificate expiry (hub and the soonest silo) and the refusals so far, by reason."""
+        days = self.cert_days_left
+        parts = [f"hub {days.pop('hub'):.1f}"] if "hub" in days else []
+        if days:
+            soonest = min(days, key=days.__getitem__)
+            parts.append(f"{len(days)} silos, soonest {soonest} {days[soonest]:.1f}")
+        if parts:
+            log.info("certificate days left: %s", "; ".join(parts))
+        if self.refusals:
+            log.info("refusals so far: %s", json.dumps(dict(sorted(self.refusals.items()))))
 
     def run(self) -> HubState:
         """Resume or start, run every remaining round, and return the final state."""
@@ -415,8 +472,17 @@ class Hub:
             self.cond.notify_all()
 
 
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))
+HALF_MIN_ELEMENTS = 1024
+
+
+def wire_specs(expected: dict[str, TensorSpec], half: bool) -> dict[str, TensorSpec]:
+    """With half precision, large float32 tensors (weights, deltas) travel as float16; small ones (weights, counts)
+    stay float32 so that counts remain exact."""
+    if not half:
+        return dict(expected)
+    return {name: TensorSpec(spec.shape, "float16")
+            if spec.dtype == "float32" and math.prod(spec.shape) >= HALF_MIN_ELEMENTS else spec
+            for name, spec in expected.items()}
 
 
 def _short(v: Any) -> Any:

@@ -1,13 +1,19 @@
-"""The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses."""
+"""The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses.
+
+Every call first passes the PeerGate (security/gate.py: certificate, CRL, expiry, allowlist); every field is then
+validated (security/validation.py) before the hub acts on it.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
-from security.tls import peer_identity
+from security import validation
+from security.gate import AccessDenied, PeerGate
+from security.tls import peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Hub, Refusal
@@ -34,17 +40,26 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
 
 
 class FederationServicer(silo_pb2_grpc.FederationServicer):
-    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int):
+    def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None,
+                 on_join: Callable[[str, bytes | None], None] | None = None):
         self.hub = hub
         self.long_poll_s = long_poll_s
         self.chunk_bytes = chunk_bytes
+        self.gate = gate or PeerGate()
+        self.on_join = on_join  # (silo id, its verified certificate PEM): e.g. metrics of certificate expiry
 
     def _identity(self, context: grpc.ServicerContext) -> str:
-        silo_id = peer_identity(context)
-        if not silo_id:
-            self.hub.refuse(None, "UNAUTHENTICATED", "no_identity", "no verified client certificate")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a client certificate issued by the federation CA is required")
-        return silo_id
+        try:
+            peer = self.gate.admit(context)
+        except AccessDenied as denied:
+            if denied.reason == "revoked" and denied.silo_id:
+                self.hub.evict(denied.silo_id)  # never sampled again
+            who = denied.silo_id or f"unidentified peer {context.peer()}"
+            self.hub.refuse(who, denied.code, denied.reason, denied.message)
+            context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
+        if peer.not_after is not None:
+            self.hub.cert_not_after[peer.silo_id] = peer.not_after
+        return peer.silo_id
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, refusal: Refusal):
@@ -53,10 +68,15 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
     def Join(self, request, context):
         silo_id = self._identity(context)
         try:
+            # The fields the hub core does not see are checked here; the rest in Hub.join.
+            self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
+                                                                            request.capabilities))
             desc = self.hub.join(silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
                                  int(request.skipped_images))
         except Refusal as r:
             self._abort(context, r)
+        if self.on_join is not None:
+            self.on_join(silo_id, peer_certificate(context))
         return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
 
     def NextTask(self, request, context):
@@ -107,7 +127,9 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         def chunks():
             for message in request_iterator:
                 if message.WhichOneof("part") != "chunk":
-                    raise Refusal("INVALID_ARGUMENT", "bad_stream", "only chunks may follow the upload header")
+                    # Raised inside the hub's stream check, so it is counted and logged like any refusal.
+                    raise validation.Invalid("INVALID_ARGUMENT", "bad_stream",
+                                             "only chunks may follow the upload header")
                 yield message.chunk.offset, message.chunk.data
 
         try:

@@ -11,9 +11,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 console = Console(stderr=False)
+if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
+    console = Console(stderr=False, width=120)
 
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
@@ -77,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
+    p.add_argument("--model", choices=["small_cnn", "wrn28_2"], default="small_cnn",
+                   help="network (both take the demo's 28x28 grayscale images)")
+    p.add_argument("--half-precision", action="store_true", help="send the model to silos as float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, help="write summary.json (every round's metrics, baseline, settings) here")
@@ -84,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-demo", type=Path, metavar="DIR",
                    help="only stage the demo federation (images, certificates, hub.yaml) in DIR and print how to run it")
     p.add_argument("--no-baseline", action="store_true", help="skip the server-only baseline")
+    p.add_argument("--prometheus-targets", type=Path, metavar="DIR",
+                   help="write Prometheus file_sd target files (hub.yml, silos.yml) for the hub's and the workers' "
+                        "/metrics endpoints here, e.g. ops/prometheus/targets (see docs/operations.md)")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
 
@@ -142,9 +152,13 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
                                    + (logs / "hub.log").read_text()[-2000:])
             time.sleep(0.2)
         hub_address = f"127.0.0.1:{port_file.read_text().strip()}"
+        metrics_files = []
         for w in range(workers):
+            metrics_files.append(staged.root / f"worker-{w}.metrics_port")
+            metrics_files[-1].unlink(missing_ok=True)
             spec = {
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
+                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
                            "labels": str(s.labels)} for s in staged.silos[w::workers]],
@@ -153,6 +167,9 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
             spec_path.write_text(json.dumps(spec))
             procs.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path)],
                                           stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT, env=env))
+        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs)
+        if getattr(args, "prometheus_targets", None):
+            write_prometheus_targets(args.prometheus_targets, metrics_ports)
         history_path = staged.hub_state_dir / "history.json"
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
@@ -180,7 +197,44 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
         _terminate(procs)
 
 
-def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str) -> dict[str, Any]:
+def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
+                            timeout: float = 120.0) -> dict[str, Any]:
+    """The /metrics ports of the hub and of every worker, once each has written it."""
+    hub_file = staged.hub_state_dir / "metrics_port"
+    end = time.time() + timeout
+    while not all(f.exists() and f.read_text().strip() for f in worker_files):
+        for i, p in enumerate(procs[1:]):
+            if p.poll() is not None:
+                raise RuntimeError(f"silo worker {i} exited before serving metrics; see {logs / f'worker-{i}.log'}")
+        if time.time() > end:
+            raise RuntimeError(f"silo workers did not serve metrics within {timeout:.0f}s; see {logs}")
+        time.sleep(0.2)
+    return {"hub": int(hub_file.read_text()) if hub_file.exists() else None,
+            "workers": [int(f.read_text()) for f in worker_files]}
+
+
+def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
+    """Prometheus file_sd files for the simulation: hub.yml (the hub) and silos.yml (one target per worker).
+
+    Written atomically (Prometheus re-reads them on change), in the layout ops/prometheus/prometheus.yml expects.
+    """
+    import yaml
+
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = {
+        "hub.yml": [{"targets": [f"127.0.0.1:{ports['hub']}"], "labels": {"federation": "silo-sim"}}]
+        if ports["hub"] else [],
+        "silos.yml": [{"targets": [f"127.0.0.1:{port}"], "labels": {"federation": "silo-sim", "worker": str(w)}}
+                      for w, port in enumerate(ports["workers"])],
+    }
+    for name, content in groups.items():
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(yaml.safe_dump(content, sort_keys=False))
+        tmp.replace(directory / name)
+
+
+def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
+                         model: str = "small_cnn") -> dict[str, Any]:
     """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
     import torch
 
@@ -193,7 +247,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     torch.set_num_threads(os.cpu_count() or 2)
     labeled = load_labeled_folder(staged.root / "hub" / "labeled", 28, 1)
     test = load_labeled_folder(staged.root / "hub" / "test", 28, 1)
-    spec = ModelSpec(num_classes=len(labeled.classes))
+    spec = ModelSpec(name=model, num_classes=len(labeled.classes))
     # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
     opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
     dev = resolve_device(device)
@@ -209,8 +263,9 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
 
 def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
-    for col in ("round", "test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
-        table.add_column(col, justify="right")
+    table.add_column("round", justify="right", no_wrap=True, min_width=11)
+    for col in ("test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
+        table.add_column(col, justify="right", no_wrap=True)
     for h in history:
         table.add_row(
             str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}",
@@ -236,6 +291,9 @@ def _human(n: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    # SIGTERM unwinds like Ctrl-C would, so the hub and the workers this process started are stopped too.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = None
     try:
         from silo_core.algorithms import get_algorithm
@@ -253,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         hub_config = {
             "run": {"seed": args.seed, "device": args.device, "threads": cores},
             "algorithm": {"name": args.algorithm, "options": options},
+            "model": {"name": args.model, "image_size": 28, "in_channels": 1},
+            "wire": {"half_precision": args.half_precision},
             "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
                        "quorum": 0.5, "deadline_s": 900},
         }
@@ -284,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
-            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
+            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model)
         console.print(summary_table(history, baseline, args.algorithm))
         final = history[-1] if history else {}
         if baseline and final:

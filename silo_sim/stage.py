@@ -142,6 +142,7 @@ def stage_federation(
         "model": {"name": "small_cnn", "image_size": 28, "in_channels": 1},
         "algorithm": {"name": "semifl", "options": {}},
         "rounds": {"total": 5, "silos_per_round": 1.0, "min_silos": num_silos, "quorum": 0.5},
+        "metrics": {"host": "127.0.0.1", "port": 0},
     }
     for section, values in (hub_config or {}).items():
         if isinstance(values, dict) and isinstance(config.get(section), dict):

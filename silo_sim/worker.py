@@ -2,6 +2,9 @@
 
 Silos in one worker take turns to train (one lock), so a small pool of workers can host a hundred silos on a
 two-core machine while every silo still speaks to the hub over its own mutual-TLS connection.
+
+With `metrics_port` in the spec the worker serves ONE /metrics endpoint for all its silos, one series per silo
+(label `silo`), and writes the port it got to `metrics_port_file`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(int(spec.get("threads", 1)))
     from silo_client.client import SiloClient, SiloSettings
+    from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 
+    families = SiloMetricFamilies()
+    server = None
+    if spec.get("metrics_port") is not None:
+        server = families.serve(spec.get("metrics_host", "127.0.0.1"), int(spec["metrics_port"]))
+        Path(spec["metrics_port_file"]).write_text(str(server.port))
     train_lock, stop = threading.Lock(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     results: dict[str, int] = {}
@@ -40,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                 labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
-            ), train_lock=train_lock, stop_event=stop)
+            ), train_lock=train_lock, stop_event=stop,
+                metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             results[name] = client.run_forever()
         except Exception as err:  # one silo's failure must not take the others down
             logging.getLogger("silo_sim.worker").error("silo %s stopped: %s", name, err)
@@ -55,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         while t.is_alive():
             t.join(timeout=0.5)
+    if server is not None:
+        server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)))  # let Prometheus see the end
+        server.close()
     failed = sorted(n for n, rc in results.items() if rc != 0)
     return 1 if failed else 0
 

@@ -83,7 +83,7 @@ def test_init_refuses_a_directory_with_only_a_certificate(tmp_path: Path) -> Non
 
 def test_hub_certificate_defaults_to_localhost_sans_and_server_auth(ca_dir: Path, tmp_path: Path) -> None:
     out = pki.issue_hub(ca_dir, tmp_path / "hub", dns=[], ips=[])
-    assert sorted(p.name for p in out.iterdir()) == ["ca.pem", "cert.pem", "key.pem"]
+    assert sorted(p.name for p in out.iterdir()) == ["ca.pem", "cert.pem", "crl.pem", "key.pem"]
     assert _mode(out / "key.pem") == 0o600
     assert (out / "ca.pem").read_bytes() == (ca_dir / "ca.pem").read_bytes()
 

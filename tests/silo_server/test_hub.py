@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.models import ModelSpec
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
@@ -122,7 +123,7 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     upload(hub, sampled[1], wait_task(hub, sampled[1]), result(4.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0))
-    assert hub.refusals == {"not_sampled": 1, "bad_payload": 2, "wrong_round": 1, "duplicate": 1}
+    assert hub.refusals == {"not_sampled": 1, "bad_tensors": 1, "non_finite": 1, "wrong_round": 1, "duplicate": 1}
     with pytest.raises(Refusal) as stale:
         upload(hub, first, view, result(2.0))
     assert stale.value.code == "FAILED_PRECONDITION"
@@ -175,42 +176,70 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
 
 
 class TwoGroups(MeanOfSilos):
-    """Two independent vectors; a site reports only the one it trained (weighted sums per group)."""
+    """Two independent vectors; a site reports only the one it trained (`<g>/delta/x` = n * delta, `<g>/weight` = n)."""
 
     def init_state(self):
         return HubState(0, {"model/a": torch.zeros(2), "model/b": torch.zeros(2)})
 
     def begin_round(self, state):
-        expected = {f"{g}/{k}": TensorSpec((2,) if k == "delta" else (1,), "float32")
-                    for g in ("a", "b") for k in ("delta", "n")}
+        expected = {f"{g}/{k}": TensorSpec((2,) if k == "delta/x" else (1,), "float32")
+                    for g in ("a", "b") for k in ("delta/x", "weight")}
         return RoundPlan(state.round + 1, dict(state.tensors), {}, expected,
-                         groups={"a": ["a/delta", "a/n"], "b": ["b/delta", "b/n"]})
+                         groups={"a": ["a/delta/x", "a/weight"], "b": ["b/delta/x", "b/weight"]})
 
     def finish_round(self, state, summed, metrics):
         tensors = dict(state.tensors)
         for g in ("a", "b"):
-            if f"{g}/n" in summed:
-                tensors[f"model/{g}"] = tensors[f"model/{g}"] + summed[f"{g}/delta"] / summed[f"{g}/n"]
+            if f"{g}/weight" in summed:
+                tensors[f"model/{g}"] = tensors[f"model/{g}"] + summed[f"{g}/delta/x"] / summed[f"{g}/weight"]
         return HubState(state.round + 1, tensors), {}
+
+
+def grouped(**groups):
+    """{"a": (n, mean delta)} -> the tensors a site sends for those groups."""
+    out = {}
+    for g, (n, delta) in groups.items():
+        out[f"{g}/delta/x"] = torch.full((2,), n * delta)
+        out[f"{g}/weight"] = torch.tensor([float(n)])
+    return out
 
 
 def test_grouped_plan_accepts_whole_groups_and_refuses_a_part_of_one(tmp_path):
     hub = Hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=2,
-              quorum=1.0, deadline_s=5.0)
+              quorum=1.0, deadline_s=5.0, max_update_norm=10.0)
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, out = start_round(hub)
     ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
-    with pytest.raises(Refusal) as partial:
-        upload(hub, "a", ta, {"a/delta": torch.ones(2)})  # group a without its count
-    assert partial.value.code == "INVALID_ARGUMENT" and "group a is incomplete" in partial.value.message
-    assert ta and hub.task.sums.tensors == {}
+    cases = [
+        ({"a/delta/x": torch.ones(2)}, "group a is incomplete"),  # a group without its weight
+        (grouped(a=(11, 1.0)), "exceeds the 10 images"),  # each group's weight is bounded by the declared images
+        (grouped(a=(0, 1.0)), "weight must be positive"),
+        (grouped(a=(2, 1.0), b=(1, 50.0)), "update norm"),  # each group's norm is checked on its own weight
+    ]
+    for tensors, message in cases:
+        with pytest.raises(Refusal) as refused:
+            upload(hub, "a", ta, tensors)
+        assert refused.value.code == "INVALID_ARGUMENT" and message in refused.value.message, refused.value.message
+    assert hub.task.sums.tensors == {}
+    with pytest.raises(validation.Invalid, match="none of the planned"):  # a result that is not skipped holds one
+        validation.check_update({}, hub.task.plan.expected, groups=hub.task.plan.groups)
     # Site a trained only model a (3 samples, mean delta 1); site b trained both (1 sample each, delta 5 and 2).
-    upload(hub, "a", ta, {"a/delta": torch.full((2,), 3.0), "a/n": torch.tensor([3.0])})
-    upload(hub, "b", tb, {"a/delta": torch.full((2,), 5.0), "a/n": torch.tensor([1.0]),
-                          "b/delta": torch.full((2,), 2.0), "b/n": torch.tensor([1.0])})
+    upload(hub, "a", ta, grouped(a=(3, 1.0)))
+    upload(hub, "b", tb, grouped(a=(1, 5.0), b=(1, 2.0)))
     thread.join(10)
     state = out["state"]
     assert torch.allclose(state.tensors["model/a"], torch.full((2,), 2.0))  # (3*1 + 1*5) / 4
     assert torch.allclose(state.tensors["model/b"], torch.full((2,), 2.0))
-    assert hub.refusals == {"bad_payload": 1}
+    assert sum(hub.refusals.values()) == len(cases)
+
+
+def test_half_precision_declares_large_float_tensors_as_float16_and_keeps_counts_exact():
+    from silo_server.hub import wire_specs
+
+    specs = {"delta/w": TensorSpec((64, 32), "float32"), "weight": TensorSpec((1,), "float32"),
+             "ids": TensorSpec((4096,), "int64")}
+    wire = wire_specs(specs, half=True)
+    assert wire["delta/w"].dtype == "float16"
+    assert wire["weight"].dtype == "float32" and wire["ids"].dtype == "int64"
+    assert wire_specs(specs, half=False) == specs

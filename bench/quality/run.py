@@ -1,0 +1,230 @@
+"""Quality benchmark: do unlabeled silos lift the hub above its labels alone?
+
+Fashion-MNIST, 25 labels per class at the hub (250) plus a labeled validation split (for FedSEAL), the rest of the
+training set spread over the silos; partitions IID, Dirichlet(0.3) and non-IID with 2 classes per silo. Every method
+runs the very algorithm objects the deployment runs, in-process (silo_sim/inprocess.py) for speed.
+
+    python bench/quality/run.py --profile quick          # the whole table in about 10 minutes on 2 CPU cores
+    python bench/quality/run.py --profile full           # the real table (hours on a CPU; uses CUDA when present)
+    python bench/quality/run.py --profile tiny           # seconds: what the test suite runs
+
+Writes results/<profile>/results.json (every round's metrics), table.md and curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
+from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
+from silo_core.data import load_torchvision  # noqa: E402
+from silo_core.models import ModelSpec  # noqa: E402
+from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
+from silo_core.training import evaluate, resolve_device  # noqa: E402
+from silo_sim.inprocess import run_inprocess  # noqa: E402
+
+METHODS = ["server-only", "fedavg-fixmatch", "semifl", "fedseal", "hassle", "supervised"]
+PARTITIONS = {"iid": {"scheme": "iid"}, "dir0.3": {"scheme": "dirichlet", "alpha": 0.3},
+              "noniid2": {"scheme": "classes", "classes_per_silo": 2}}
+
+
+@dataclass
+class Profile:
+    rounds: int
+    num_silos: int
+    silos_per_round: float
+    unlabeled_limit: int | None  # None: the whole training set minus hub labels and validation
+    test_limit: int | None
+    seeds: list[int]
+    headline_seeds: list[int]
+    eval_every: int
+    options: dict[str, Any] = field(default_factory=dict)
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    partitions: list[str] = field(default_factory=lambda: list(PARTITIONS))
+
+
+PROFILES = {
+    # A few seconds: proves the harness runs end to end (the test suite runs this).
+    "tiny": Profile(rounds=2, num_silos=4, silos_per_round=1.0, unlabeled_limit=400, test_limit=500, seeds=[0],
+                    headline_seeds=[0], eval_every=1, methods=["server-only", "semifl"], partitions=["iid"],
+                    options={"hub_epochs": 3, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16,
+                             "tau": 0.5}),
+    # About 10 minutes on 2 CPU cores: a smoke check of the whole table, not the headline numbers.
+    "quick": Profile(rounds=6, num_silos=20, silos_per_round=0.2, unlabeled_limit=6000, test_limit=2000, seeds=[0],
+                     headline_seeds=[0], eval_every=2,
+                     options={"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16}),
+    # The real table: 100 silos, 10% per round, the papers' local schedule; several seeds for the headline row.
+    "full": Profile(rounds=200, num_silos=100, silos_per_round=0.1, unlabeled_limit=None, test_limit=None,
+                    seeds=[0], headline_seeds=[0, 1, 2], eval_every=10, options={}),
+}
+
+
+def split_data(train_labels: np.ndarray, seed: int, labels_per_class: int = 25, val_per_class: int = 25):
+    hub_idx, rest = split_labeled_per_class(train_labels, labels_per_class, seed)
+    val_local, rest_local = split_labeled_per_class(train_labels[rest], val_per_class, seed + 1)
+    return hub_idx, rest[val_local], rest[rest_local]
+
+
+def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device) -> dict[str, Any]:
+    entry = get_algorithm(method)
+    options = entry.options.model_validate({k: v for k, v in profile.options.items()
+                                            if k in entry.options.model_fields})
+    labels = train.labels.numpy()
+    hub_idx, val_idx, rest = split_data(labels, seed)
+    rng = np.random.default_rng(seed)
+    rest = rng.permutation(rest)
+    if profile.unlabeled_limit is not None:
+        rest = rest[: profile.unlabeled_limit]
+    parts = make_partition(labels[rest], profile.num_silos, PARTITIONS[partition]["scheme"], seed,
+                           **{k: v for k, v in PARTITIONS[partition].items() if k != "scheme"})
+    spec = ModelSpec(num_classes=len(train.classes))
+    hub_data = HubData(train.images[hub_idx], train.labels[hub_idx], train.images[val_idx], train.labels[val_idx])
+    torch.manual_seed(seed)
+    hub = entry.hub(options, spec, hub_data, device, seed, profile.rounds)
+    silo = entry.silo(options, spec, device) if entry.silo is not None else None
+    silos = []
+    for i, part in enumerate(parts):
+        idx = rest[part]
+        silos.append(SiloData(images=train.images[idx], true_labels=train.labels[idx],
+                              labels=train.labels[idx] if method == "supervised" else None, silo_id=f"silo-{i:03d}"))
+    round_counter = {"n": 0}
+
+    def evaluate_state(state):
+        round_counter["n"] += 1
+        if round_counter["n"] % profile.eval_every and round_counter["n"] != profile.rounds:
+            return {}
+        return evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
+
+    started = time.time()
+    _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
+    final = history[-1]
+    return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
+            "seconds": time.time() - started, "history": history}
+
+
+def machine() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
+    methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
+    partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
+    lines = [f"Test accuracy (%), profile `{profile_name}`, mean ± std over seeds (n = seeds).",
+             f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
+             + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".", "",
+             "| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
+    for m in methods:
+        row = []
+        for p in partitions:
+            accs = [100 * c["final_accuracy"] for c in cells if c["method"] == m and c["partition"] == p]
+            if not accs:
+                row.append("-")
+            elif len(accs) == 1:
+                row.append(f"{accs[0]:.1f} (n=1)")
+            else:
+                row.append(f"{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} (n={len(accs)})")
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
+    fig, axes = plt.subplots(2, len(partitions), figsize=(5 * len(partitions), 7), squeeze=False)
+    for col, p in enumerate(partitions):
+        for c in cells:
+            if c["partition"] != p or c["seed"] != cells[0]["seed"]:
+                continue
+            pts = [(h["round"], h["test_accuracy"]) for h in c["history"] if "test_accuracy" in h]
+            axes[0][col].plot(*zip(*pts, strict=True), marker=".", label=c["method"])
+            pl = [(h["round"], h.get("pseudo_label_accuracy"), h.get("pseudo_label_ratio")) for h in c["history"]
+                  if "pseudo_label_ratio" in h]
+            if pl:
+                rounds = [r for r, _, _ in pl]
+                axes[1][col].plot(rounds, [a if a is not None else float("nan") for _, a, _ in pl],
+                                  label=f"{c['method']} PL acc")
+                axes[1][col].plot(rounds, [r for _, _, r in pl], linestyle="--", label=f"{c['method']} PL ratio")
+        axes[0][col].set_title(f"test accuracy, {p}")
+        axes[1][col].set_title(f"pseudo-labels, {p}")
+        for ax in axes[:, col]:
+            ax.set_xlabel("round")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    p.add_argument("--data-root", type=Path, default=Path(os.environ.get("SILOKIT_DATA", ROOT.parent / "shared" / "data")),
+                   help="folder holding FashionMNIST/raw (torchvision layout; never downloads)")
+    p.add_argument("--out", type=Path, help="default bench/quality/results/<profile>")
+    p.add_argument("--methods", nargs="*", help="subset of methods")
+    p.add_argument("--partitions", nargs="*", choices=list(PARTITIONS))
+    p.add_argument("--rounds", type=int, help="override the profile's rounds")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    profile = PROFILES[args.profile]
+    if args.rounds:
+        profile.rounds = args.rounds
+    out = args.out or ROOT / "bench" / "quality" / "results" / args.profile
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    train = load_torchvision("FashionMNIST", args.data_root, True, 28, 1)
+    test = load_torchvision("FashionMNIST", args.data_root, False, 28, 1)
+    if profile.test_limit is not None:
+        idx, _ = split_labeled_per_class(test.labels.numpy(), profile.test_limit // len(test.classes), 0)
+        test = test.subset(np.sort(idx))
+    methods = args.methods or profile.methods
+    unavailable = [m for m in methods if m not in ALGORITHMS]
+    methods = [m for m in methods if m in ALGORITHMS]
+    partitions = args.partitions or profile.partitions
+    cells, info = [], machine()
+    for part in partitions:
+        for method in methods:
+            seeds = profile.headline_seeds if part == "iid" else profile.seeds
+            for seed in seeds:
+                cell = run_cell(method, part, seed, profile, train, test, device)
+                cells.append(cell)
+                print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
+                      f"({cell['seconds']:.0f}s)", flush=True)
+    results = {"profile": args.profile, "profile_settings": profile.__dict__, "machine": info,
+               "unavailable_methods": unavailable, "cells": cells}
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    table = markdown_table(cells, args.profile, info)
+    if unavailable:
+        table += f"\nNot yet available in this build: {', '.join(unavailable)}.\n"
+    (out / "table.md").write_text(table)
+    plot_curves(cells, out / "curves.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Systems benchmark: what the wire costs.
+
+    python bench/systems/run.py                 # all four measurements, a few minutes on 2 CPU cores
+    python bench/systems/run.py --only codec    # codec | bytes | overhead | memory
+
+1. codec: tensor codec throughput (encode + chunk + sha256 + reassemble + decode) for a 1.5M-parameter model
+   (WRN-28-2) and a 25M-parameter model.
+2. bytes: bytes on the wire per silo and round versus the raw model size, model sent as fp32 and as fp16.
+3. overhead: the same SemiFL rounds in-process versus through silo-sim over gRPC + mutual TLS (target: < 5%).
+4. memory: hub peak memory versus the number of reporting silos with a 1.5M-parameter model (target: flat).
+
+Writes results/results.json and results/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from silo_core.models import ModelSpec, count_parameters  # noqa: E402
+from silo_core.tensors import assemble, decode, encode, iter_chunks, sha256_hex  # noqa: E402
+
+
+def bench_codec(repeats: int = 3) -> list[dict[str, Any]]:
+    wrn = {k: v for k, v in ModelSpec(name="wrn28_2", in_channels=3, image_size=32).build().state_dict().items()}
+    big = {f"layer{i}.weight": torch.randn(1000, 1000) for i in range(25)}  # 25M parameters
+    rows = []
+    for name, tensors in (("WRN-28-2", wrn), ("25M synthetic", big)):
+        params = sum(t.numel() for t in tensors.values() if t.is_floating_point())
+        for half in (False, True):
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                payload = encode(tensors, half=half)
+                digest = sha256_hex(payload)
+                back = decode(assemble(iter_chunks(payload), len(payload), digest, len(payload)))
+                best = min(best, time.perf_counter() - start)
+            assert set(back) == set(tensors)
+            rows.append({"model": name, "parameters": params, "dtype": "fp16" if half else "fp32",
+                         "payload_bytes": len(payload), "seconds": best,
+                         "throughput_MBps": len(payload) / best / 1e6,
+                         "raw_fp32_MBps": 4 * params / best / 1e6})
+    return rows
+
+
+def run_sim(workdir: Path, *extra: str) -> dict[str, Any]:
+    out = workdir / "out"
+    cmd = [sys.executable, "-m", "silo_sim.cli", "--workdir", str(workdir / "work"), "--out", str(out),
+           "--no-baseline", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"silo-sim failed: {proc.stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def bench_bytes() -> list[dict[str, Any]]:
+    spec = ModelSpec()
+    model = spec.build()
+    raw = 4 * count_parameters(model)
+    rows = []
+    for half in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            extra = ["--silos", "2", "--rounds", "1", "--unlabeled", "200", "--option", "tau=0.0",
+                     "--option", "local_epochs=1"]
+            if half:
+                extra += ["--half-precision"]
+            summary = run_sim(tmp, *extra)
+        r = summary["rounds"][0]
+        silos = r["silos_sampled"]
+        rows.append({"model": "small_cnn", "parameters": count_parameters(model), "raw_fp32_bytes": raw,
+                     "model_sent_as": "fp16" if half else "fp32",
+                     "down_bytes_per_silo": r["bytes_down"] / silos, "up_bytes_per_silo": r["bytes_up"] / silos,
+                     "down_vs_raw": r["bytes_down"] / silos / raw, "up_vs_raw": r["bytes_up"] / silos / raw})
+    return rows
+
+
+def bench_overhead(rounds: int = 4, silos: int = 4) -> dict[str, Any]:
+    """Same data, options, seeds: one worker (silos train one after another, as in-process) vs in-process."""
+    from silo_core.algorithms.base import HubData, SiloData
+    from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
+    from silo_core.data import load_labeled_folder, load_unlabeled_folder
+    from silo_sim.cli import DEMO_OPTIONS
+    from silo_sim.inprocess import run_inprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        summary = run_sim(tmp, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
+                          "--unlabeled", "2000")
+        wire = [r["round_seconds"] for r in summary["rounds"]]
+        work = tmp / "work"
+        torch.set_num_threads(os.cpu_count() or 1)
+        labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
+        silo_data = []
+        for d in sorted((work / "silos").iterdir()):
+            images = load_unlabeled_folder(d / "images", 28, 1)
+            silo_data.append(SiloData(images=images.images, silo_id=d.name))
+        opts = SemiFLOptions.model_validate(DEMO_OPTIONS)
+        spec = ModelSpec(num_classes=10)
+        hub = SemiFLHub(opts, spec, HubData(labeled.images, labeled.labels), torch.device("cpu"), 0, rounds)
+        test = load_labeled_folder(work / "hub" / "test", 28, 1)
+        from silo_core.training import evaluate
+
+        _, history = run_inprocess(hub, SemiFLSilo(opts, spec, torch.device("cpu")), silo_data, rounds,
+                                   evaluate=lambda s: evaluate(hub.served_model(s), test.images, test.labels,
+                                                               spec.mean, spec.std, torch.device("cpu")))
+        local = [h["round_seconds"] for h in history]
+    w, lo = sum(wire), sum(local)
+    return {"rounds": rounds, "silos": silos, "wire_round_seconds": wire, "inprocess_round_seconds": local,
+            "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
+            "wire_final_accuracy": summary["rounds"][-1].get("test_accuracy"),
+            "inprocess_final_accuracy": history[-1].get("test_accuracy")}
+
+
+def bench_memory(silo_counts=(10, 50, 100)) -> list[dict[str, Any]]:
+    rows = []
+    for n in silo_counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = run_sim(Path(tmp), "--silos", str(n), "--rounds", "1", "--unlabeled", str(20 * n),
+                              "--model", "wrn28_2", "--option", "tau=0.0", "--option", "local_epochs=1",
+                              "--option", "hub_epochs=1", "--option", "silo_batch_size=20")
+        r = summary["rounds"][0]
+        rows.append({"silos_reporting": r["silos_reported"], "model_parameters": 1_467_610,
+                     "hub_peak_rss_MB": r["hub_peak_rss_bytes"] / 1e6, "bytes_up_MB": r["bytes_up"] / 1e6})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=["codec", "bytes", "overhead", "memory"], action="append")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "systems" / "results")
+    args = p.parse_args(argv)
+    chosen = args.only or ["codec", "bytes", "overhead", "memory"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    results["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                          "cuda": torch.cuda.is_available()}
+    for name in chosen:
+        print(f"running {name} ...", flush=True)
+        results[name] = {"codec": bench_codec, "bytes": bench_bytes, "overhead": bench_overhead,
+                         "memory": bench_memory}[name]()
+        print(json.dumps(results[name], indent=1), flush=True)
+    path.write_text(json.dumps(results, indent=1))
+    (args.out / "report.md").write_text(report(results))
+    print(report(results))
+    return 0
+
+
+def report(r: dict[str, Any]) -> str:
+    m = r.get("machine", {})
+    lines = [f"Machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, CUDA: {m.get('cuda')}.", ""]
+    if "codec" in r:
+        lines += ["## Codec throughput (encode + chunk + sha256 + reassemble + decode)", "",
+                  "| model | parameters | wire dtype | payload | time | MB/s of payload |", "|---|---|---|---|---|---|"]
+        lines += [f"| {x['model']} | {x['parameters'] / 1e6:.2f}M | {x['dtype']} | {x['payload_bytes'] / 1e6:.1f} MB | "
+                  f"{x['seconds'] * 1000:.0f} ms | {x['throughput_MBps']:.0f} |" for x in r["codec"]]
+    if "bytes" in r:
+        lines += ["", "## Bytes on the wire per silo and round (SemiFL, small_cnn)", "",
+                  "| model sent as | raw fp32 model | down per silo | up per silo | down / raw | up / raw |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {x['model_sent_as']} | {x['raw_fp32_bytes'] / 1e3:.1f} KB | {x['down_bytes_per_silo'] / 1e3:.1f} KB"
+                  f" | {x['up_bytes_per_silo'] / 1e3:.1f} KB | {x['down_vs_raw']:.2f} | {x['up_vs_raw']:.2f} |"
+                  for x in r["bytes"]]
+    if "overhead" in r:
+        o = r["overhead"]
+        lines += ["", "## Deployment overhead (same SemiFL rounds)", "",
+                  f"{o['rounds']} rounds, {o['silos']} silos: in-process {o['inprocess_total_s']:.1f} s, over gRPC + "
+                  f"mutual TLS (silo-sim, one worker) {o['wire_total_s']:.1f} s: overhead "
+                  f"{100 * o['overhead_fraction']:+.1f}% of round time (target < 5%). Final accuracy in-process "
+                  f"{o['inprocess_final_accuracy']:.4f}, over the wire {o['wire_final_accuracy']:.4f}."]
+    if "memory" in r:
+        lines += ["", "## Hub peak memory vs reporting silos (WRN-28-2, 1.47M parameters)", "",
+                  "| silos reporting | uploads received | hub peak RSS |", "|---|---|---|"]
+        lines += [f"| {x['silos_reporting']} | {x['bytes_up_MB']:.0f} MB | {x['hub_peak_rss_MB']:.0f} MB |"
+                  for x in r["memory"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""The hub's Prometheus metrics: what an operator needs to see how a federation is doing.
+
+Two sources, no Prometheus code in the hub core:
+
+- State read at scrape time from the `Hub` object (round, phase, silos, counters of accepted/refused updates and
+  bytes, the latest round's entry in `hub.history`, certificate files). A restarted hub therefore shows the last
+  checkpointed round's accuracy at once.
+- Events from the hub's `on_round` callback (one history entry per completed round) feed the histograms and the
+  counters that only make sense per completed round.
+
+The round entry is the contract with algorithms and the privacy/secure-aggregation layers; any of these keys, when
+present, become metrics (absent keys leave the metric at zero, or at the algorithm's static value):
+
+    test_accuracy, test_loss                 silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
+    pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
+    silo_train_loss                          silokit_hub_silo_train_loss (mean over reporting silos)
+    threshold_class_<k>                      silokit_hub_class_threshold{class="<k>"}
+    epsilon_spent (or epsilon), epsilon_budget, dp_delta   silokit_hub_dp_epsilon_spent, ..._budget, ..._delta
+    secagg_<stage>_seconds                   silokit_hub_secagg_stage_duration_seconds{stage="<stage>"}
+    secagg_recoveries                        silokit_hub_secagg_recoveries_total (silos whose masks were recovered)
+    round_seconds, aggregation_seconds       silokit_hub_round_duration_seconds, ..._aggregation_duration_seconds
+    silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
+
+Labels stay low-cardinality: `silo` (one per enrolled silo, a few to a few hundred), `phase`, `state`, `reason`,
+`class`, `stage`, `certificate`; never a round number or an image.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from security.pki import cert_days_left
+from silo_core.metrics_http import MetricsServer, serve_metrics
+from silo_server.hub import PHASES, Hub
+
+log = logging.getLogger("silo_server")
+
+NAN = float("nan")
+
+# Refusal reasons the hub and its servicer can count (silo_server/hub.py, servicer.py). Exported at zero from the
+# start, so a rate over them is 0 and not "no data" before the first refusal; new reasons appear when first seen.
+REFUSAL_REASONS = (
+    "no_identity", "not_joined", "wrong_run", "stale_task", "not_sampled", "wrong_round", "duplicate",
+    "bad_metrics", "bad_payload", "no_header",
+    # security/gate.py and security/validation.py
+    "not_allowed", "not_silo_certificate", "revoked", "expired", "bad_request", "bad_header", "bad_stream",
+    "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized",
+)
+# Secure aggregation's stages (Bonawitz et al. 2017, one per protocol round). Exported at zero until used.
+SECAGG_STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
+ROUND_SILO_STATES = ("sampled", "reported", "skipped", "dropped")
+
+_THRESHOLD_KEY = re.compile(r"^threshold_class_(\d+)$")
+_SECAGG_KEY = re.compile(r"^secagg_([a-z][a-z0-9_]*)_seconds$")
+
+
+class HubMetrics:
+    """Prometheus metrics for one hub. Wraps `hub.on_round` (keeping any callback already there)."""
+
+    def __init__(self, hub: Hub, *, certs: Path | None = None, registry: CollectorRegistry | None = None,
+                 version: str = "0.1.0"):
+        self.hub = hub
+        self.certs = Path(certs) if certs else None
+        self.version = version
+        self.registry = registry or CollectorRegistry()
+        self.started = time.time()
+        self.last_progress = self.started
+        self.round_ends: list[float] = []  # when each round completed in this process (for rounds_silent)
+        self.silo_certs: dict[str, bytes] = {}
+        self.server: MetricsServer | None = None
+        r = self.registry
+        self.round_duration = Histogram(
+            "silokit_hub_round_duration_seconds", "Wall time of a completed round, from hand-out to applied.",
+            buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600), registry=r)
+        self.aggregation_duration = Histogram(
+            "silokit_hub_aggregation_duration_seconds",
+            "Time the hub spent turning a round's sums into the next model (unmask, average, fine-tune, sBN).",
+            buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.secagg_duration = Histogram(
+            "silokit_hub_secagg_stage_duration_seconds", "Duration of a secure-aggregation stage in a round.",
+            ["stage"], buckets=(0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300), registry=r)
+        for stage in SECAGG_STAGES:
+            self.secagg_duration.labels(stage)
+        self.secagg_recoveries = Counter(
+            "silokit_hub_secagg_recoveries", "Dropped silos whose masks were recovered from the survivors' shares.",
+            registry=r)
+        self.dropouts = Counter(
+            "silokit_hub_silo_dropouts", "Sampled silos that did not report before a round closed.", registry=r)
+        self.progress = Gauge(
+            "silokit_hub_last_progress_timestamp_seconds",
+            "Unix time the hub last made progress (started, or completed a round).", registry=r)
+        self.progress.set(self.started)
+        self.registry.register(_HubStateCollector(self))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
+        previous = hub.on_round
+
+        def on_round(entry: dict[str, Any]) -> None:
+            self.on_round(entry)
+            if previous is not None:
+                previous(entry)
+
+        hub.on_round = on_round
+
+    # ------------------------------------------------------------------ events
+    def on_round(self, entry: dict[str, Any]) -> None:
+        now = time.time()
+        self.round_ends.append(now)
+        self.last_progress = now
+        self.progress.set(now)
+        if "round_seconds" in entry:
+            self.round_duration.observe(float(entry["round_seconds"]))
+        if "aggregation_seconds" in entry:
+            self.aggregation_duration.observe(float(entry["aggregation_seconds"]))
+        self.dropouts.inc(max(0, int(entry.get("silos_dropped", 0))))
+        for key, value in entry.items():
+            m = _SECAGG_KEY.match(key)
+            if m:
+                self.secagg_duration.labels(m.group(1)).observe(float(value))
+        self.secagg_recoveries.inc(max(0, int(entry.get("secagg_recoveries", 0))))
+
+    def observe_silo_certificate(self, silo_id: str, cert_pem: bytes | None) -> None:
+        """Remember a silo's verified client certificate (from the TLS handshake) to export the time it has left."""
+        if cert_pem:
+            self.silo_certs[silo_id] = cert_pem
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, host: str, port: int) -> int:
+        self.server = serve_metrics(self.registry, host, port,
+                                    "set metrics.port in hub.yaml to a free port (0 picks one) or metrics.enabled false")
+        log.info("metrics at %s", self.server.url)
+        return self.server.port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value, labels=labels)
+
+
+def _seconds_left(pem: bytes) -> float | None:
+    try:
+        return cert_days_left(pem) * 86400.0
+    except Exception:  # a certificate we cannot parse is reported by TLS itself; here it only has no metric
+        return None
+
+
+class _HubStateCollector(Collector):
+    """Reads the hub's state at scrape time (under the hub's lock, briefly)."""
+
+    def __init__(self, metrics: HubMetrics):
+        self.m = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        hub = self.m.hub
+        now = time.time()
+        with hub.cond:
+            phase, round_now = hub.phase, hub.round
+            silos = [(s, r.last_seen, r.rounds_contributed, r.num_unlabeled, r.skipped_images)
+                     for s, r in sorted(hub.silos.items())]
+            counters, refusals = dict(hub.counters), dict(hub.refusals)
+            task = hub.task
+            live = (len(task.sampled), len(task.reported), task.attempt, list(task.plan.class_thresholds)) \
+                if task is not None and task.open else None
+        history = list(hub.history)
+        last = history[-1] if history else {}
+        desc = hub.run_description
+
+        info = _gauge("silokit_hub_info", "The run this hub serves (value 1).",
+                      labels=["run_id", "algorithm", "model", "version"])
+        info.add_metric([hub.run_id, str(desc.get("algorithm", "")), str(desc.get("model", "")), self.m.version], 1)
+        yield info
+        yield _gauge("silokit_hub_round", "The round in progress, or the last completed one between rounds.",
+                     round_now)
+        yield _gauge("silokit_hub_rounds_completed", "Rounds applied so far in this run (checkpointed).",
+                     int(last.get("round", 0)))
+        yield _gauge("silokit_hub_rounds_planned", "Rounds this run will take (rounds.total).", hub.total_rounds)
+        phases = _gauge("silokit_hub_phase", "1 for the hub's current phase, 0 for the others.", labels=["phase"])
+        for p in dict.fromkeys((*PHASES, phase)):
+            phases.add_metric([p], 1.0 if p == phase else 0.0)
+        yield phases
+        yield _gauge("silokit_hub_round_attempt",
+                     "Attempt of the round in progress (1 normally; more after a below-quorum retry; 0 between rounds).",
+                     live[2] if live else 0)
+        yield CounterMetricFamily("silokit_hub_round_attempts_below_quorum",
+                                  "Round attempts that closed with fewer reports than the quorum and were retried.",
+                                  value=counters.get("below_quorum", 0))
+
+        # silos
+        yield _gauge("silokit_hub_silos_enrolled", "Silos that joined this run since the hub started.", len(silos))
+        connected = [s for s in silos if now - s[1] <= hub.liveness_s]
+        yield _gauge("silokit_hub_silos_connected", "Silos heard from within rounds.liveness_s.", len(connected))
+        round_silos = _gauge("silokit_hub_round_silos", "Silos of the last completed round, by what they did.",
+                             labels=["state"])
+        for state in ROUND_SILO_STATES:
+            if f"silos_{state}" in last:
+                round_silos.add_metric([state], float(last[f"silos_{state}"]))
+        yield round_silos
+        current = _gauge("silokit_hub_current_round_silos", "Silos sampled for the round in progress and those "
+                         "that reported so far (0 between rounds).", labels=["state"])
+        current.add_metric(["sampled"], live[0] if live else 0)
+        current.add_metric(["reported"], live[1] if live else 0)
+        yield current
+
+        # updates and traffic
+        accepted = CounterMetricFamily("silokit_hub_updates_accepted", "Results accepted into a round's sums "
+                                       "(kind update) or as an empty report (kind skip).", labels=["kind"])
+        accepted.add_metric(["update"], counters.get("accepted_updates", 0))
+        accepted.add_metric(["skip"], counters.get("accepted_skips", 0))
+        yield accepted
+        refused = CounterMetricFamily("silokit_hub_refusals", "Requests refused, by reason (an upload refused "
+                                      "changes nothing in the round).", labels=["reason"])
+        for reason in sorted({*REFUSAL_REASONS, *refusals}):
+            refused.add_metric([reason], refusals.get(reason, 0))
+        yield refused
+        yield CounterMetricFamily("silokit_hub_received_bytes", "Bytes of results received from silos.",
+                                  value=counters.get("received_bytes", 0))
+        yield CounterMetricFamily("silokit_hub_sent_bytes", "Bytes of round bundles sent to silos.",
+                                  value=counters.get("sent_bytes", 0))
+
+        # model quality
+        tested = [h for h in history if "test_accuracy" in h]
+        yield _gauge("silokit_hub_test_accuracy_ratio", "Test accuracy after the last completed round (0..1).",
+                     tested[-1]["test_accuracy"] if tested else NAN)
+        yield _gauge("silokit_hub_test_accuracy_previous_ratio", "Test accuracy after the round before the last.",
+                     tested[-2]["test_accuracy"] if len(tested) > 1 else NAN)
+        yield _gauge("silokit_hub_test_loss", "Test cross-entropy after the last completed round.",
+                     tested[-1].get("test_loss", NAN) if tested else NAN)
+        yield _gauge("silokit_hub_pseudo_label_ratio", "Share of the silos' unlabeled images whose pseudo-label "
+                     "passed the threshold in the last round.", last.get("pseudo_label_ratio", NAN))
+        yield _gauge("silokit_hub_pseudo_label_accuracy_ratio", "Share of the passing pseudo-labels that were right "
+                     "(known in simulation only).", last.get("pseudo_label_accuracy", NAN))
+        yield _gauge("silokit_hub_silo_train_loss", "Mean local training loss of the silos in the last round.",
+                     last.get("silo_train_loss", NAN))
+        thresholds = _gauge("silokit_hub_class_threshold", "Confidence a pseudo-label of this class must reach.",
+                            labels=["class"])
+        for k, v in self._thresholds(last, live[3] if live else []):
+            thresholds.add_metric([str(k)], v)
+        yield thresholds
+
+        # privacy and security
+        yield _gauge("silokit_hub_dp_epsilon_spent", "Differential-privacy epsilon spent so far (0 without DP).",
+                     float(last.get("epsilon_spent", last.get("epsilon", 0.0))))
+        yield _gauge("silokit_hub_dp_epsilon_budget", "Differential-privacy epsilon budget (0 without DP).",
+                     float(last.get("epsilon_budget", 0.0)))
+        yield _gauge("silokit_hub_dp_delta", "Differential-privacy delta (0 without DP).",
+                     float(last.get("dp_delta", 0.0)))
+        certs = _gauge("silokit_hub_certificate_remaining_seconds", "Time until the hub's own certificate (hub) or "
+                       "the federation CA's (ca) expires.", labels=["certificate"])
+        if self.m.certs is not None:
+            for label, name in (("hub", "cert.pem"), ("ca", "ca.pem")):
+                try:
+                    left = _seconds_left((self.m.certs / name).read_bytes())
+                except OSError:
+                    left = None
+                if left is not None:
+                    certs.add_metric([label], left)
+        yield certs
+
+        # per silo (one series per enrolled silo)
+        last_seen = _gauge("silokit_hub_silo_last_seen_timestamp_seconds", "Unix time the hub last heard from "
+                           "the silo.", labels=["silo"])
+        is_connected = _gauge("silokit_hub_silo_connected", "1 if the silo was heard from within rounds.liveness_s.",
+                              labels=["silo"])
+        silent = _gauge("silokit_hub_silo_rounds_silent", "Rounds completed since the hub last heard from the silo.",
+                        labels=["silo"])
+        contributed = _gauge("silokit_hub_silo_rounds_contributed", "Rounds whose sums hold this silo's update "
+                             "(since the hub started).", labels=["silo"])
+        images = _gauge("silokit_hub_silo_unlabeled_images", "Unlabeled images the silo declared at join.",
+                        labels=["silo"])
+        skipped = _gauge("silokit_hub_silo_skipped_images", "Unreadable image files the silo skipped.",
+                         labels=["silo"])
+        silo_certs = _gauge("silokit_hub_silo_certificate_remaining_seconds", "Time until the silo's client "
+                           "certificate (as presented in its last join) expires.", labels=["silo"])
+        ends = self.m.round_ends
+        for silo_id, seen, rounds, n_images, n_skipped in silos:
+            last_seen.add_metric([silo_id], seen)
+            is_connected.add_metric([silo_id], 1.0 if now - seen <= hub.liveness_s else 0.0)
+            silent.add_metric([silo_id], len(ends) - bisect.bisect_right(ends, seen))
+            contributed.add_metric([silo_id], rounds)
+            images.add_metric([silo_id], n_images)
+            skipped.add_metric([silo_id], n_skipped)
+            pem = self.m.silo_certs.get(silo_id)
+            left = _seconds_left(pem) if pem else None
+            if left is not None:
+                silo_certs.add_metric([silo_id], left)
+        yield from (last_seen, is_connected, silent, contributed, images, skipped, silo_certs)
+
+    def _thresholds(self, last: dict[str, Any], planned: list[float]) -> list[tuple[int, float]]:
+        """Per-class thresholds: the round's own (FedSEAL), else the plan's, else the algorithm's single tau."""
+        found = sorted((int(m.group(1)), float(v)) for k, v in last.items() if (m := _THRESHOLD_KEY.match(k)))
+        if found:
+            return found
+        if planned:
+            return list(enumerate(planned))
+        desc = self.m.hub.run_description
+        tau = desc.get("algorithm_options", {}).get("tau")
+        if tau is None:
+            return []
+        return [(k, float(tau)) for k in range(int(desc.get("num_classes", 0)))]

@@ -1,0 +1,29 @@
+"""The suite only checks that the quality benchmark's tiny profile runs end to end; numbers live in bench/."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_tiny_profile_writes_results_table_and_curves(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+                           "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    cells = {c["method"]: c for c in results["cells"]}
+    assert set(cells) == {"server-only", "semifl"}
+    for cell in cells.values():
+        assert 0.1 < cell["final_accuracy"] <= 1.0  # better than chance on 10 classes
+        assert [h["round"] for h in cell["history"]] == [1, 2]
+    assert all(h["silos_contributed"] > 0 for h in cells["semifl"]["history"])
+    table = (tmp_path / "table.md").read_text()
+    assert "| semifl |" in table and "| server-only |" in table
+    assert (tmp_path / "curves.png").stat().st_size > 5000

@@ -1,0 +1,86 @@
+"""security.crl: the hub's view of the CRL follows the file on disk, and a bad file never un-revokes anyone."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from security import pki
+from security.crl import CrlError, RevocationList
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    ca = pki.init_ca(tmp_path / "ca")
+    hub = pki.issue_hub(ca, tmp_path / "hub")
+    return ca, hub
+
+
+def _serial(bundle: Path) -> int:
+    return x509.load_pem_x509_certificate((bundle / "cert.pem").read_bytes()).serial_number
+
+
+def test_a_revocation_copied_over_the_file_counts_from_the_next_lookup(setup, tmp_path: Path) -> None:
+    ca, hub = setup
+    s1, s2 = pki.issue_silo(ca, "s1", tmp_path / "s1"), pki.issue_silo(ca, "s2", tmp_path / "s2")
+    crl = RevocationList(hub / "crl.pem", hub / "ca.pem")
+    assert not crl.is_revoked(_serial(s1)) and crl.revoked_serials == frozenset()
+    pki.revoke(ca, "s1")
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")  # in place: same inode, new content
+    assert crl.is_revoked(_serial(s1)) and not crl.is_revoked(_serial(s2))
+    assert crl.reloads == 1
+    assert crl.is_revoked(_serial(s1)) and crl.reloads == 1  # unchanged file: not parsed again
+
+
+def test_an_unusable_replacement_keeps_the_last_good_list(setup, tmp_path: Path, caplog) -> None:
+    ca, hub = setup
+    s1 = pki.issue_silo(ca, "s1", tmp_path / "s1")
+    pki.revoke(ca, "s1")
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")
+    crl = RevocationList(hub / "crl.pem", hub / "ca.pem")
+    assert crl.is_revoked(_serial(s1))
+
+    foreign = pki.init_ca(tmp_path / "foreign")  # a CRL signed by someone else: empty, and not ours
+    with caplog.at_level(logging.ERROR, logger="security"):
+        for replacement in (b"-----BEGIN X509 CRL-----\ngarbage\n", (foreign / "crl.pem").read_bytes()):
+            (hub / "crl.pem").write_bytes(replacement)
+            assert crl.is_revoked(_serial(s1))  # still refused
+    assert crl.reload_failures == 2
+    assert sum("still enforcing the previous list of 1 revoked" in r.message for r in caplog.records) == 2
+    assert crl.is_revoked(_serial(s1)) and crl.reload_failures == 2  # logged once per bad file, not per call
+
+    (hub / "crl.pem").unlink()  # even a deleted file does not lift the revocation
+    assert crl.is_revoked(_serial(s1))
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")
+    assert crl.is_revoked(_serial(s1)) and crl.reloads == 1
+
+
+def test_a_missing_or_foreign_crl_stops_the_hub_at_start_with_what_to_do(setup, tmp_path: Path) -> None:
+    ca, hub = setup
+    with pytest.raises(CrlError, match=r"nowhere\.pem.*silo-certs crl --ca CA_DIR.*security\.crl"):
+        RevocationList(tmp_path / "nowhere.pem", hub / "ca.pem")
+    foreign = pki.init_ca(tmp_path / "foreign")
+    with pytest.raises(CrlError, match="not signed by the federation CA"):
+        RevocationList(foreign / "crl.pem", hub / "ca.pem")
+
+
+def test_a_stale_crl_is_still_enforced_and_the_operator_is_told(setup, tmp_path, monkeypatch, caplog) -> None:
+    ca, hub = setup
+    s1 = pki.issue_silo(ca, "s1", tmp_path / "s1")
+    pki.revoke(ca, "s1")
+    # Sign the CRL 40 days ago: its 30-day validity ended 10 days ago.
+    monkeypatch.setattr(pki, "_now", lambda: dt.datetime.now(dt.UTC) - dt.timedelta(days=40))
+    pki.write_crl(ca)
+    monkeypatch.undo()
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")
+    crl = RevocationList(hub / "crl.pem", hub / "ca.pem")
+    with caplog.at_level(logging.WARNING, logger="security"):
+        assert crl.is_revoked(_serial(s1))
+        assert crl.is_revoked(_serial(s1))
+    stale = [r for r in caplog.records if "past its next update" in r.message]
+    assert len(stale) == 1 and "silo-certs crl" in stale[0].message  # warned once, not on every call

@@ -1,0 +1,172 @@
+"""The hub's metrics, read from a real registry while a real hub core (no network) runs rounds."""
+
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from security.pki import init_ca, issue_hub, issue_silo
+from silo_server.hub import Refusal
+from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
+from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
+
+
+def samples(metrics: HubMetrics) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(metrics.registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(metrics, name, **labels):
+    return samples(metrics)[(name, tuple(sorted(labels.items())))]
+
+
+def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
+    hub = make_hub(tmp_path / "hub", run_description={"algorithm": "mean", "num_classes": 3,
+                                                      "algorithm_options": {"tau": 0.9}})
+    seen = []
+    hub.on_round = seen.append  # an existing callback keeps working
+    m = HubMetrics(hub)
+    before = samples(m)
+    assert before[("silokit_hub_phase", (("phase", "starting"),))] == 1
+    assert before[("silokit_hub_rounds_completed", ())] == 0
+    assert before[("silokit_hub_test_accuracy_ratio", ())] != before[("silokit_hub_test_accuracy_ratio", ())]  # NaN
+    for reason in REFUSAL_REASONS:  # exported at zero before the first refusal
+        assert before[("silokit_hub_refusals_total", (("reason", reason),))] == 0
+    for stage in SECAGG_STAGES:
+        assert before[("silokit_hub_secagg_stage_duration_seconds_count", (("stage", stage),))] == 0
+    assert before[("silokit_hub_dp_epsilon_spent", ())] == 0 and before[("silokit_hub_dp_epsilon_budget", ())] == 0
+
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
+    bundle = hub.download("a", hub.run_id, ta.task_id)
+    live = samples(m)
+    assert live[("silokit_hub_phase", (("phase", "training"),))] == 1
+    assert live[("silokit_hub_current_round_silos", (("state", "sampled"),))] == 2
+    assert live[("silokit_hub_round_attempt", ())] == 1
+    assert live[("silokit_hub_sent_bytes_total", ())] == len(bundle)
+    upload(hub, "a", ta, result(1.0))
+    with pytest.raises(Refusal, match="already reported"):
+        upload(hub, "a", ta, result(1.0))  # duplicate: refused and counted
+    upload(hub, "b", tb, {}, skipped=True)
+    thread.join(timeout=10)
+    assert out["state"].round == 1 and [e["round"] for e in seen] == [1]
+
+    after = samples(m)
+    assert after[("silokit_hub_rounds_completed", ())] == 1
+    assert after[("silokit_hub_refusals_total", (("reason", "duplicate"),))] == 1
+    assert after[("silokit_hub_updates_accepted_total", (("kind", "update"),))] == 1
+    assert after[("silokit_hub_updates_accepted_total", (("kind", "skip"),))] == 1
+    assert after[("silokit_hub_received_bytes_total", ())] > 0
+    assert after[("silokit_hub_round_silos", (("state", "reported"),))] == 2
+    assert after[("silokit_hub_round_silos", (("state", "skipped"),))] == 1
+    assert after[("silokit_hub_round_silos", (("state", "dropped"),))] == 0
+    assert after[("silokit_hub_round_duration_seconds_count", ())] == 1
+    assert after[("silokit_hub_aggregation_duration_seconds_count", ())] == 1
+    assert after[("silokit_hub_silos_enrolled", ())] == 2 and after[("silokit_hub_silos_connected", ())] == 2
+    assert after[("silokit_hub_silo_rounds_contributed", (("silo", "a"),))] == 1
+    assert after[("silokit_hub_silo_rounds_contributed", (("silo", "b"),))] == 0
+    # SemiFL-style single tau: every class must pass the same threshold.
+    assert [after[("silokit_hub_class_threshold", (("class", str(k)),))] for k in range(3)] == [0.9] * 3
+
+
+def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    for r, acc in ((1, 0.70), (2, 0.62)):
+        entry = {"round": r, "test_accuracy": acc, "test_loss": 1.0 - acc, "round_seconds": 3.0 * r,
+                 "aggregation_seconds": 0.2, "silos_sampled": 3, "silos_reported": 2, "silos_dropped": 1,
+                 "threshold_class_0": 0.91, "threshold_class_1": 0.85, "epsilon_spent": 2.5 * r,
+                 "epsilon_budget": 8.0, "secagg_share_keys_seconds": 0.3, "secagg_recoveries": 1}
+        hub.history.append(entry)
+        hub.on_round(entry)
+    s = samples(m)
+    assert s[("silokit_hub_test_accuracy_ratio", ())] == pytest.approx(0.62)
+    assert s[("silokit_hub_test_accuracy_previous_ratio", ())] == pytest.approx(0.70)
+    assert s[("silokit_hub_class_threshold", (("class", "0"),))] == pytest.approx(0.91)
+    assert s[("silokit_hub_class_threshold", (("class", "1"),))] == pytest.approx(0.85)
+    assert s[("silokit_hub_dp_epsilon_spent", ())] == 5.0 and s[("silokit_hub_dp_epsilon_budget", ())] == 8.0
+    assert s[("silokit_hub_secagg_stage_duration_seconds_count", (("stage", "share_keys"),))] == 2
+    assert s[("silokit_hub_secagg_recoveries_total", ())] == 2
+    assert s[("silokit_hub_silo_dropouts_total", ())] == 2
+    assert s[("silokit_hub_round_duration_seconds_sum", ())] == pytest.approx(9.0)
+    # A round bucket of 5 s holds the 3 s round, not the 6 s one.
+    assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
+
+
+def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    hub.join("quiet", 5, 0, "cpu")
+    hub.join("chatty", 5, 0, "cpu")
+    for r in (1, 2, 3):
+        hub.silos["chatty"].last_seen = 1e12  # heard from after every round
+        m.on_round({"round": r})
+    s = samples(m)
+    assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3
+    assert s[("silokit_hub_silo_rounds_silent", (("silo", "chatty"),))] == 0
+
+
+def test_certificate_time_left_for_the_hub_the_ca_and_each_silo(tmp_path):
+    ca = tmp_path / "ca"
+    init_ca(ca, days=3650)
+    hub_bundle = issue_hub(ca, tmp_path / "hubcert", days=90)
+    soon = issue_silo(ca, "branch-1", tmp_path / "b1", days=10)
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub, certs=hub_bundle)
+    hub.join("branch-1", 5, 0, "cpu")
+    m.observe_silo_certificate("branch-1", (soon / "cert.pem").read_bytes())
+    s = samples(m)
+    day = 86400
+    assert 89 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "hub"),))] <= 90 * day
+    assert 3600 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "ca"),))] <= 3650 * day
+    assert 9 * day < s[("silokit_hub_silo_certificate_remaining_seconds", (("silo", "branch-1"),))] <= 10 * day
+
+
+def test_the_endpoint_serves_the_registry_and_a_busy_port_is_one_clear_error(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    port = m.serve("127.0.0.1", 0)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "silokit_hub_rounds_planned 3.0" in body
+        assert "_created" not in body
+        with pytest.raises(OSError, match=rf"cannot serve metrics on 127.0.0.1:{port}: .*metrics.port"):
+            HubMetrics(make_hub(tmp_path / "other")).serve("127.0.0.1", port)
+    finally:
+        m.close()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # closed: nothing listens there any more
+
+
+def test_silo_server_with_a_busy_metrics_port_stops_with_one_clear_line(tmp_path):
+    ca = init_ca(tmp_path / "ca")
+    certs = issue_hub(ca, tmp_path / "hubcert")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "hub.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "run": {"state_dir": str(tmp_path / "state")},
+            "server": {"certs": str(certs), "host": "127.0.0.1", "port": 0},
+            "data": {"labeled": {"kind": "demo", "labels_per_class": 2}},
+            "metrics": {"port": port},
+        }))
+        proc = subprocess.run([sys.executable, "-m", "silo_server.cli", "--config", str(cfg)], capture_output=True,
+                              text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in proc.stderr
+    assert errors == [(f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; set "
+                                   f"metrics.port in hub.yaml to a free port (0 picks one) or metrics.enabled false")]
