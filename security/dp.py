@@ -224,6 +224,10 @@ class PrivacyAccountant:
             history.append((noise_multiplier, sample_rate, steps))
 
     @property
+    def history(self) -> list[tuple[float, float, int]]:
+        return list(self._impl.history)
+
+    @property
     def steps(self) -> int:
         return sum(s for _, _, s in self._impl.history)
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.models import MODELS
+from silo_server.privacy import PrivacySection
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,7 @@ class HubConfig(_Strict):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     rounds: RoundsSection = Field(default_factory=RoundsSection)
     wire: WireSection = Field(default_factory=WireSection)
+    privacy: PrivacySection = Field(default_factory=PrivacySection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

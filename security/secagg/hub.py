@@ -93,6 +93,7 @@ class HubSession:
         self.u3: set[str] = set()
         self.revealed: dict[str, dict[str, int]] = {}  # owner -> {x: y}
         self.unmasked_from: set[str] = set()
+        self.gone: set[str] = set()  # silos that said they cannot continue (the wire layer stops waiting for them)
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -104,6 +105,8 @@ class HubSession:
             raise msg.ProtocolError(f"silo {silo_id} is not part of stage {stage} of session {self.session}")
         if silo_id in done:
             raise msg.ProtocolError(f"silo {silo_id} already sent its {stage} message")
+        if silo_id in self.gone:
+            raise msg.ProtocolError(f"silo {silo_id} gave up on session {self.session}")
 
     def _abandon(self, reason: str) -> RoundAbandoned:
         self.stage = "abandoned"
@@ -113,14 +116,20 @@ class HubSession:
     def waiting_for(self) -> set[str]:
         """Silos whose message the current stage still lacks (the wire layer waits for these or a deadline)."""
         if self.stage == "advertise_keys":
-            return set(self.ids) - set(self.keys)
-        if self.stage == "share_keys":
-            return self.u1 - set(self.sealed)
-        if self.stage == "masked_input":
-            return self.u2 - self.masked_from
-        if self.stage == "unmask":
-            return self.u3 - self.unmasked_from
-        return set()
+            pending = set(self.ids) - set(self.keys)
+        elif self.stage == "share_keys":
+            pending = self.u1 - set(self.sealed)
+        elif self.stage == "masked_input":
+            pending = self.u2 - self.masked_from
+        elif self.stage == "unmask":
+            pending = self.u3 - self.unmasked_from
+        else:
+            pending = set()
+        return pending - self.gone
+
+    def drop(self, silo_id: str) -> None:
+        """A silo gave up (its session aborted): nothing more is accepted from it; it counts as a dropout."""
+        self.gone.add(silo_id)
 
     def _prune(self, alive: set[str], stage: str) -> set[str]:
         """Leave out, until none is left, every silo with fewer than t live neighbours: its secrets could not be

@@ -43,6 +43,7 @@ class SecAggParams(BaseModel):
     modulus_bits: Literal[32, 64] = Field(32, description="sums live in Z_{2^m}; 32 halves the upload of 64")
     quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
     max_masked_bytes: int = Field(1 << 30, ge=1024, description="cap on one masked upload")
+    stage_deadline_s: float = Field(120.0, gt=0, description="time limit of each stage after training")
 
     @model_validator(mode="after")
     def _bits_fit(self) -> SecAggParams:
