@@ -41,6 +41,7 @@ def aggregate(
     seed: int = 0,
     tamper: Callable[[str, str, bytes], bytes] | None = None,
     costs: Costs | None = None,
+    keep_levels: bool = True,
 ) -> SecAggResult:
     """Securely sum `inputs` (silo id -> named tensors); `tamper(stage, recipient, payload)` may alter hub->silo
     messages in flight. Raises RoundAbandoned when the threshold cannot be met."""
@@ -51,7 +52,7 @@ def aggregate(
     started = time.perf_counter()
     hub = HubSession(session, ids, params, shapes, rng=random.Random(seed))
     costs.hub_seconds += time.perf_counter() - started
-    silos = {i: SiloSession(session, i, rounding_seed=seed * 7919 + k) for k, i in enumerate(ids)}
+    silos = {i: SiloSession(session, i, rounding_seed=seed * 7919 + k, keep_levels=keep_levels) for k, i in enumerate(ids)}
     costs.silos, costs.hub = silos, hub
     for i in ids:
         costs.silo_seconds[i], costs.silo_bytes_up[i], costs.silo_bytes_down[i] = 0.0, 0, 0

@@ -49,7 +49,7 @@ class Stage(enum.Enum):
 
 
 class SiloSession:
-    def __init__(self, session_id: str, silo_id: str, rounding_seed: int | None = None):
+    def __init__(self, session_id: str, silo_id: str, rounding_seed: int | None = None, keep_levels: bool = False):
         self.session = session_id
         self.silo_id = silo_id
         self.stage = Stage.NEW
@@ -60,7 +60,8 @@ class SiloSession:
         self._seed: bytes | None = None
         self._received: dict[str, msg.SharePlaintext] = {}
         self.clipped_values = 0  # how many values fell outside their rule's clip range (local statistic)
-        self.levels: np.ndarray | None = None  # the encoded input, kept for inspection by its owner only
+        self.keep_levels = keep_levels
+        self.levels: np.ndarray | None = None  # the encoded input, kept (keep_levels) for inspection by its owner
 
     def _enter(self, expected: Stage) -> None:
         if self.stage is not expected:
@@ -178,7 +179,8 @@ class SiloSession:
             shapes[name] = tuple(tensors[name].shape)
             self.clipped_values += clipped
         y = np.concatenate(flat) if flat else np.zeros(0, UINT[bits])
-        self.levels = y.copy()
+        if self.keep_levels:
+            self.levels = y.copy()
         # y = Q(x) + PRG(K_self) + sum_{j > i} PRG(K_ij) - sum_{j < i} PRG(K_ij)   (mod 2^m; numpy wraps)
         np.add(y, pr.prg_words(self_mask_key(self.session, self.silo_id, self._seed), y.size, bits), out=y)
         for sender in senders:

@@ -11,6 +11,7 @@ import signal
 from silo_sim.stage import stage_federation
 from tests.conftest import free_port, wait_for
 
+
 def history(staged):
     try:
         return json.loads((staged.hub_state_dir / "history.json").read_text())["rounds"]
@@ -77,6 +78,6 @@ def test_secure_aggregation_and_dp_over_the_wire_with_a_silo_killed_mid_round(tm
     latest = (staged.hub_state_dir / "checkpoints" / "LATEST").read_text().strip()
     state = json.loads((staged.hub_state_dir / "checkpoints" / latest / "state.json").read_text())
     assert sum(s for _, _, s in state["privacy"]["dp"]["accountant"]["history"]) == 2
-    for name, proc in silos.items():
+    for proc in silos.values():
         assert proc.wait(timeout=60) == 0, processes.log(proc.name)
         assert "secure aggregation unmask sent" in processes.log(proc.name), processes.log(proc.name)
