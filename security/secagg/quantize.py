@@ -98,17 +98,18 @@ def check_capacity(rules: Sequence[Rule], modulus_bits: int, n: int) -> None:
         raise CapacityError("sums beyond 2^53 cannot be decoded exactly; lower bits")
 
 
-def encode(x: torch.Tensor, rule: Rule, modulus_bits: int, generator: torch.Generator) -> tuple[np.ndarray, int]:
+def encode(x: torch.Tensor, rule: Rule, modulus_bits: int, generator: np.random.Generator
+           ) -> tuple[np.ndarray, int]:
     """Levels of a real tensor as a flat uint array of the ring's width, and how many values were clipped."""
-    v = x.detach().to("cpu", torch.float64).reshape(-1)
-    if not bool(torch.isfinite(v).all()):
+    v = x.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    if not np.isfinite(v).all():
         raise ValueError("cannot encode NaN or infinite values")
-    clipped = int((v.abs() > rule.clip).sum())
-    u = (v.clamp(-rule.clip, rule.clip) + rule.clip) * rule.scale
-    low = torch.floor(u)
-    q = low + (torch.rand(u.shape, generator=generator, dtype=torch.float64) < (u - low)).to(torch.float64)
-    q = q.clamp(0, rule.levels)
-    return q.numpy().astype(UINT[modulus_bits]), clipped
+    clipped = int(np.count_nonzero(np.abs(v) > rule.clip))
+    u = (np.clip(v, -rule.clip, rule.clip) + rule.clip) * rule.scale
+    q = np.floor(u)
+    q += generator.random(u.shape) < (u - q)  # stochastic rounding: up with probability frac(u)
+    np.clip(q, 0, rule.levels, out=q)
+    return q.astype(UINT[modulus_bits]), clipped
 
 
 def decode_sum(q: np.ndarray, rule: Rule, count: int) -> torch.Tensor:
@@ -116,8 +117,6 @@ def decode_sum(q: np.ndarray, rule: Rule, count: int) -> torch.Tensor:
     return torch.from_numpy(q.astype(np.float64) / rule.scale - count * rule.clip)
 
 
-def rounding_generator(seed: int | None = None) -> torch.Generator:
+def rounding_generator(seed: int | None = None) -> np.random.Generator:
     """Stochastic rounding needs fresh randomness (not secret, but it must not be predictable per silo)."""
-    g = torch.Generator()
-    g.manual_seed(secrets.randbits(63) if seed is None else seed)
-    return g
+    return np.random.default_rng(secrets.randbits(128) if seed is None else seed)
