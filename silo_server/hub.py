@@ -270,9 +270,13 @@ class Hub:
             if not skipped:
                 tensors = decode(payload, self.max_upload_bytes)
                 check_tensors(tensors, t.accepted or t.plan.expected)
+                if t.privacy is not None:
+                    HubPrivacy.check_clear_upload(t.privacy, tensors)
         except CodecError as err:
             code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
             raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+        except ProtocolError as err:
+            raise self.refuse(silo_id, "FAILED_PRECONDITION", "privacy", str(err)) from None
         with self.cond:
             if self.task is not t or not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")

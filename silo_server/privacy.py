@@ -31,6 +31,7 @@ from security.dp import (
     DPController,
     SiloInstructions,
     quantization_clip,
+    update_norm,
 )
 from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggParams
 from security.secagg.params import QuantizationRule
@@ -147,6 +148,19 @@ class HubPrivacy:
             return None
         payload = rp.outbox.get(silo_id)
         return (rp.outbox_stage, payload) if payload is not None else None
+
+    @staticmethod
+    def check_clear_upload(rp: RoundPrivacy, tensors: dict[str, torch.Tensor]) -> None:
+        """A result sent in the clear: refused when the round is securely aggregated (the silo should have kept
+        it), and with central DP its clipped part must be within the round's clip norm (the sensitivity the
+        accountant is charged for is enforced, not assumed)."""
+        if rp.session is not None:
+            raise ProtocolError("this round is securely aggregated: results are never accepted in the clear")
+        if rp.instructions is not None:
+            norm = update_norm(tensors, rp.instructions.clip_tensors)
+            if norm > rp.instructions.clip_norm * (1 + 1e-4) + 1e-12:
+                raise ProtocolError(f"update norm {norm:.6g} exceeds the round's clip norm "
+                                    f"{rp.instructions.clip_norm:.6g}")
 
     @staticmethod
     def receive(rp: RoundPrivacy, silo_id: str, stage: str, payload: bytes) -> None:

@@ -206,3 +206,27 @@ def test_every_privacy_key_is_documented_and_validated():
     cfg = parse_config({**base, "privacy": {"secure_aggregation": {"enabled": True}, "dp": {"enabled": True,
                                                                                           "epsilon_budget": 8}}})
     assert cfg.privacy.enabled and cfg.privacy.dp.epsilon_budget == 8
+
+
+def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_under_central_dp(tmp_path):
+    for section, bad, why in [
+        (PrivacySection(secure_aggregation=SECAGG), 0.1, "never accepted in the clear"),
+        (PrivacySection(dp=DPConfig(enabled=True, clip_norm=1.0)), 1.0, "exceeds the round's clip norm"),
+    ]:
+        hub = make(tmp_path / why[:5], section, min_silos=3)
+        silos = [Silo(hub, f"s{i}", 0.0) for i in range(3)]
+        def round_until_stopped(h=hub):
+            with pytest.raises(InterruptedError):
+                h.run_round(h.resume_or_init())
+
+        thread = threading.Thread(target=round_until_stopped, daemon=True)
+        thread.start()
+        view = hub.next_task("s0", hub.run_id, wait_s=5)
+        assert view.kind == "TRAIN"
+        task = silo_pb2.Task(task_id=view.task_id, round=view.round)
+        with pytest.raises(Refusal, match=why) as refused:  # norm sqrt(4000) * 1.0 >> 1
+            silos[0].send_result(task, {"delta/x": torch.full((D,), bad), "weight": torch.ones(1)}, {}, False)
+        assert refused.value.code == "FAILED_PRECONDITION" and hub.task.reported == set()
+        assert hub.refusals == {"privacy": 1}
+        hub.stop()
+        thread.join(5)
