@@ -58,47 +58,49 @@ def wrn_update(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def bench_secagg(silo_counts: list[int], dropout: float, seed: int = 0) -> list[dict[str, Any]]:
+def bench_secagg(silo_counts: list[int], dropout: float, seed: int = 0, complete: bool = False
+                 ) -> list[dict[str, Any]]:
     update = wrn_update(seed)
     params_count = sum(t.numel() for n, t in update.items() if n.startswith("delta/"))
     plain_bytes = 4 * sum(t.numel() for t in update.values())
-    params = SecAggParams(enabled=True)  # defaults: k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point
     rows = []
-    for n in silo_counts:
-        for drop in ([0.0, dropout] if dropout > 0 else [0.0]):
-            ids = [f"silo-{i:03d}" for i in range(n)]
-            inputs = {i: update for i in ids}  # one shared tensor set: memory stays flat at 100 silos
-            dropped = max(1, round(drop * n)) if drop > 0 else 0
-            rng = random.Random(seed)
-            drop_map = {i: "masked_input" for i in rng.sample(ids, dropped)}
-            costs = Costs()
-            started = time.perf_counter()
-            result = aggregate(inputs, params, drop=drop_map, costs=costs, seed=seed, keep_levels=False)
-            wall = time.perf_counter() - started
-            expected = update["delta/conv1.weight"].double() * len(result.contributors) if "delta/conv1.weight" in \
-                update else None
-            err = float((result.sums["weight"] - len(result.contributors)).abs())
-            if expected is not None:
-                err = max(err, float((result.sums["delta/conv1.weight"] - expected).abs().max()))
-            active = [i for i in ids if i not in drop_map]
-            silo_s = [costs.silo_seconds[i] for i in active]
-            up = [costs.silo_bytes_up[i] for i in active]
-            down = [costs.silo_bytes_down[i] for i in active]
-            row = {
-                "silos": n, "dropped_after_sharing": dropped, "parameters": params_count,
-                "neighbours_k": result.stats["degree"], "threshold_t": result.stats["threshold"],
-                "silo_seconds_mean": statistics.mean(silo_s), "silo_seconds_max": max(silo_s),
-                "silo_bytes_up_mean": statistics.mean(up), "silo_bytes_down_mean": statistics.mean(down),
-                "plain_upload_bytes": plain_bytes,
-                "hub_seconds": costs.hub_seconds, "hub_bytes_in": result.stats["bytes_in"],
-                "hub_bytes_out": result.stats["bytes_out"], "wall_seconds": wall,
-                "max_abs_error_checked": err, "contributors": len(result.contributors),
-            }
-            rows.append(row)
-            print(f"n={n:3d} dropped={dropped:2d} k={row['neighbours_k']:2d} t={row['threshold_t']:2d}  "
-                  f"silo {row['silo_seconds_mean']:.3f}s (max {row['silo_seconds_max']:.3f}s), "
-                  f"up {row['silo_bytes_up_mean'] / 1e6:.3f} MB, down {row['silo_bytes_down_mean'] / 1e3:.1f} kB | "
-                  f"hub {row['hub_seconds']:.2f}s, in {row['hub_bytes_in'] / 1e6:.1f} MB | err {err:.2e}", flush=True)
+    cases = [(n, drop, None) for n in silo_counts for drop in ([0.0, dropout] if dropout > 0 else [0.0])]
+    if complete:  # Bonawitz et al.'s complete graph, for comparison
+        cases += [(n, drop, n - 1) for n in silo_counts for drop in ([0.0, dropout] if dropout > 0 else [0.0])]
+    for n, drop, neighbours in cases:
+        # defaults: k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point
+        params = SecAggParams(enabled=True, neighbours=neighbours)
+        ids = [f"silo-{i:03d}" for i in range(n)]
+        inputs = {i: update for i in ids}  # one shared tensor set: memory stays flat at 100 silos
+        dropped = max(1, round(drop * n)) if drop > 0 else 0
+        rng = random.Random(seed)
+        drop_map = {i: "masked_input" for i in rng.sample(ids, dropped)}
+        costs = Costs()
+        started = time.perf_counter()
+        result = aggregate(inputs, params, drop=drop_map, costs=costs, seed=seed, keep_levels=False)
+        wall = time.perf_counter() - started
+        count = len(result.contributors)  # every silo sent the same update: the exact sum is count * update
+        err = max(float((result.sums[n] - update[n].double() * count).abs().max()) for n in update)
+        active = [i for i in ids if i not in drop_map]
+        silo_s = [costs.silo_seconds[i] for i in active]
+        up = [costs.silo_bytes_up[i] for i in active]
+        down = [costs.silo_bytes_down[i] for i in active]
+        row = {
+            "silos": n, "dropped_after_sharing": dropped, "parameters": params_count,
+            "neighbours_k": result.stats["degree"], "threshold_t": result.stats["threshold"],
+            "silo_seconds_mean": statistics.mean(silo_s), "silo_seconds_max": max(silo_s),
+            "silo_bytes_up_mean": statistics.mean(up), "silo_bytes_down_mean": statistics.mean(down),
+            "plain_upload_bytes": plain_bytes,
+            "hub_seconds": costs.hub_seconds, "hub_bytes_in": result.stats["bytes_in"],
+            "hub_bytes_out": result.stats["bytes_out"], "wall_seconds": wall,
+            "max_abs_error_checked": err, "contributors": len(result.contributors),
+            "graph": "complete" if neighbours else "sparse",
+        }
+        rows.append(row)
+        print(f"n={n:3d} dropped={dropped:2d} k={row['neighbours_k']:2d} t={row['threshold_t']:2d}  "
+              f"silo {row['silo_seconds_mean']:.3f}s (max {row['silo_seconds_max']:.3f}s), "
+              f"up {row['silo_bytes_up_mean'] / 1e6:.3f} MB, down {row['silo_bytes_down_mean'] / 1e3:.1f} kB | "
+              f"hub {row['hub_seconds']:.2f}s, in {row['hub_bytes_in'] / 1e6:.1f} MB | err {err:.2e}", flush=True)
     return rows
 
 
@@ -108,13 +110,13 @@ def secagg_markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         f"defaults (k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point).",
         f"Machine: {info['platform']}, {info['cpu_count']} CPUs (shared); in-process, silos one after another.",
         f"Plain float32 upload for comparison: {rows[0]['plain_upload_bytes'] / 1e6:.2f} MB per silo.", "",
-        "| silos | dropped after sharing | k | t | per-silo CPU s (mean / max) | per-silo up MB | per-silo down kB "
-        "| hub CPU s | hub in MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| graph | silos | dropped after sharing | k | t | per-silo CPU s (mean / max) | per-silo up MB "
+        "| per-silo down kB | hub CPU s | hub in MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['silos']} | {r['dropped_after_sharing']} | {r['neighbours_k']} | {r['threshold_t']} | "
+            f"| {r['graph']} | {r['silos']} | {r['dropped_after_sharing']} | {r['neighbours_k']} | {r['threshold_t']} | "
             f"{r['silo_seconds_mean']:.3f} / {r['silo_seconds_max']:.3f} | {r['silo_bytes_up_mean'] / 1e6:.3f} | "
             f"{r['silo_bytes_down_mean'] / 1e3:.1f} | {r['hub_seconds']:.2f} | {r['hub_bytes_in'] / 1e6:.1f} |")
     return "\n".join(lines) + "\n"
@@ -190,12 +192,15 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
                 summed, _ = dp.finish_round(summed, len(out.contributors), per_round, len(silos))
         state, metrics = hub.finish_round(state, summed, {})
         acc = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
-        history.append({"round": r, "test_accuracy": acc["accuracy"], **({"epsilon": dp.epsilon()} if dp else {})})
-        print(f"  eps={epsilon} round {r}: accuracy {acc['accuracy']:.4f}"
-              + (f", epsilon {dp.epsilon():.3f}" if dp else ""), flush=True)
+        history.append({"round": r, "test_accuracy": acc["accuracy"],
+                        **({"epsilon": dp.epsilon()} if dp and math.isfinite(epsilon) else {})})
+        print(f"  {algorithm} eps={epsilon} round {r}: accuracy {acc['accuracy']:.4f}"
+              + (f", epsilon {dp.epsilon():.3f}" if dp and math.isfinite(epsilon) else ""), flush=True)
+    finite = dp is not None and math.isfinite(epsilon)
     return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.config.noise_multiplier
-            if dp else None, "spent_epsilon": dp.epsilon() if dp else None, "sample_rate": q,
+            if finite else None, "spent_epsilon": dp.epsilon() if finite else None, "sample_rate": q,
             "final_accuracy": history[-1]["test_accuracy"], "history": history, "seconds": time.time() - started,
+            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round": per_round,
             "median_update_norm": statistics.median(norms) if norms else None}
 
 
@@ -220,7 +225,11 @@ def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
         f"the hub, {args.silos} IID silos, {round(args.sample_rate * args.silos)} per round, {args.rounds} rounds, "
         f"secure aggregation on, distributed noise, clip C = {args.clip_norm}, delta 1e-5, RDP).",
         f"Options: {json.dumps(args.options)}. Machine: {info['platform']}, {info['cpu_count']} CPUs. One seed.", "",
-        "| setting | noise multiplier z | epsilon spent | test accuracy (%) |", "|---|---|---|---|",
+        "The last column is the noise's L2 norm on the averaged update relative to the clip norm, z sqrt(d) / m "
+        "(d parameters, m silos per round): far above 1, the silos' contribution is drowned and only the hub's own "
+        "fine-tuning moves the model.", "",
+        "| setting | noise multiplier z | epsilon spent | test accuracy (%) | noise norm / C on the mean |",
+        "|---|---|---|---|---|",
     ]
     for c in cells:
         if c["algorithm"] == "server-only":
@@ -233,33 +242,56 @@ def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
             name = f"SemiFL + DP, target epsilon {c['target_epsilon']:g}"
         z = "-" if c["noise_multiplier"] is None else f"{c['noise_multiplier']:.3f}"
         e = "-" if c["spent_epsilon"] is None else f"{c['spent_epsilon']:.3f}"
-        lines.append(f"| {name} | {z} | {e} | {100 * c['final_accuracy']:.1f} |")
+        if c["target_epsilon"] is not None and math.isinf(c["target_epsilon"]):
+            z, e = "0 (clip only)", "inf"
+        snr = "-"
+        if c["noise_multiplier"] is not None and c.get("parameters"):
+            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters']) / c['silos_per_round']:.1f}"
+        lines.append(f"| {name} | {z} | {e} | {100 * c['final_accuracy']:.1f} | {snr} |")
     return "\n".join(lines) + "\n"
+
+
+def remake_dp_markdown(path: Path) -> str:
+    """Rebuild dp.md from dp.json (e.g. after a table format change)."""
+    data = json.loads(path.read_text())
+    args = argparse.Namespace(**data["settings"])
+    for c in data["cells"]:
+        c.setdefault("parameters", sum(p.numel() for p in ModelSpec(num_classes=10).build().parameters()))
+        c.setdefault("silos_per_round", round(args.sample_rate * args.silos))
+        if isinstance(c["target_epsilon"], str):
+            c["target_epsilon"] = float(c["target_epsilon"])
+    return dp_markdown(data["cells"], args, data["machine"])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["secagg", "dp", "all"])
+    p.add_argument("what", choices=["secagg", "dp", "all", "dp-table"])
     p.add_argument("--silos-list", "--silos-counts", dest="silo_counts", type=int, nargs="*", default=[10, 50, 100])
     p.add_argument("--dropout", type=float, default=0.05, help="secagg: also run with this fraction dropped")
+    p.add_argument("--complete-graph", action="store_true", help="secagg: also run Bonawitz's complete graph")
     p.add_argument("--epsilons", nargs="*", default=["none", "inf", "8", "2"])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--silos", type=int, default=20, help="dp: silos enrolled")
     p.add_argument("--sample-rate", type=float, default=0.5)
     p.add_argument("--clip-norm", type=float, default=1.0)
-    p.add_argument("--labels-per-class", type=int, default=10)
+    p.add_argument("--labels-per-class", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    args.options = {"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16, "tau": 0.8,
+    args.options = {"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16, "tau": 0.5,
                     "lr_schedule": "constant"}
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()
+    if args.what == "dp-table":
+        table = remake_dp_markdown(args.out / "dp.json")
+        (args.out / "dp.md").write_text(table)
+        print(table)
+        return 0
     if args.what in ("secagg", "all"):
-        rows = bench_secagg(args.silo_counts, args.dropout, args.seed)
+        rows = bench_secagg(args.silo_counts, args.dropout, args.seed, args.complete_graph)
         (args.out / "secagg.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         (args.out / "secagg.md").write_text(secagg_markdown(rows, info))
         print(secagg_markdown(rows, info))

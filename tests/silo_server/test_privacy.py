@@ -2,6 +2,7 @@
 task/upload paths, a silo lost mid-protocol, DP epsilon in history and checkpoint, resume, and the budget stop."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ class Silo(threading.Thread):
         self.hub, self.silo_id, self.value, self.die_at = hub, silo_id, value, die_at
         self.privacy = SiloPrivacy(send_result=self.send_result, send_stage=self.send_stage)
         self.refused: list[str] = []
+        self.hold_at: str | None = None  # wait for `release` before answering this stage (a frozen silo)
+        self.release = threading.Event()
         hub.join(silo_id, 10, 0, "cpu")
 
     def send(self, header, payload):
@@ -66,10 +69,10 @@ class Silo(threading.Thread):
 
     def run(self):
         while True:
-            view = self.hub.next_task(self.silo_id, self.hub.run_id, wait_s=1.0)
-            task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy_json=view.privacy_json,
-                                 secagg_stage=view.secagg_stage, secagg_payload=view.secagg_payload)
             try:
+                view = self.hub.next_task(self.silo_id, self.hub.run_id, wait_s=1.0)
+                task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy_json=view.privacy_json,
+                                     secagg_stage=view.secagg_stage, secagg_payload=view.secagg_payload)
                 if view.kind == "DONE":
                     return
                 if view.kind == "TRAIN":
@@ -78,9 +81,14 @@ class Silo(threading.Thread):
                 elif view.kind == "SECAGG":
                     if view.secagg_stage == self.die_at:
                         return  # killed mid-protocol: never heard from again
+                    if view.secagg_stage == self.hold_at:
+                        self.release.wait()
+                        self.hold_at = None
                     self.privacy.run_stage(task)
             except Refusal as r:
                 self.refused.append(r.reason)
+                if r.reason == "not_joined":  # a restarted hub: join again, as the client does
+                    self.hub.join(self.silo_id, 10, 0, "cpu")
 
 
 def make(tmp_path, section, rounds=1, **kw):
@@ -111,6 +119,35 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
     assert hub.history[-1]["silos_reported"] == 5 and all(not s.refused for s in silos)
+
+
+def test_a_hub_restart_mid_protocol_reruns_the_round_with_fresh_keys(tmp_path):
+    section = PrivacySection(secure_aggregation=SECAGG)
+    first = make(tmp_path, section)
+    silos = [Silo(first, f"s{i}", float(i)) for i in range(5)]
+    for s in silos:
+        s.hold_at = "masked_input"
+        s.start()
+    out = {}
+    runner = threading.Thread(target=lambda: out.setdefault("state", first.run()), daemon=True)
+    runner.start()
+    wait = time.time() + 20
+    while time.time() < wait and not (first.task and first.task.privacy and first.task.privacy.outbox_stage
+                                      == "masked_input"):
+        time.sleep(0.005)
+    old_session = first.task.task_id
+    first.stop()  # the hub dies with masked inputs on their way: the session was in memory only
+    runner.join(5)
+    assert out["state"].round == 0 and first.history == []
+    second = make(tmp_path, section)
+    assert second.run_id == first.run_id
+    for s in silos:
+        s.hub = second
+        s.release.set()
+    state = second.run()
+    assert state.round == 1 and second.history[-1]["secagg_contributors"] == 5
+    assert torch.allclose(state.tensors["model/x"], torch.full((D,), 2.0), atol=1e-4)  # mean of 0..4, once
+    assert all(s.privacy.pending.get(old_session) is None for s in silos)
 
 
 def test_below_threshold_the_round_is_retried_not_applied(tmp_path):
