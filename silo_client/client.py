@@ -22,6 +22,7 @@ import torch
 from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
+from silo_client.privacy import SiloPrivacy, upload_stage
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
@@ -128,6 +129,8 @@ class SiloClient:
         self.data_key: tuple[int, int] | None = None
         self.rounds_done: list[int] = []
         self.skipped_images = 0
+        self.privacy = SiloPrivacy(send_result=self._upload,
+                                   send_stage=lambda *args: upload_stage(self, *args))
 
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
@@ -246,11 +249,14 @@ class SiloClient:
             tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
                        for k, v in result.tensors.items()}
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
-        self._upload(task, tensors, metrics, result.skipped)
+        if task.privacy_json:  # DP and/or secure aggregation: silo_client/privacy.py decides what leaves
+            sent = self.privacy.submit(self.silo_id, task, result, expected)
+        else:
+            self._upload(task, tensors, metrics, result.skipped)
+            sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
         self.rounds_done.append(task.round)
         self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
-        self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round,
-                      "skipped (nothing passed the threshold)" if result.skipped else "update sent",
+        self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round, sent,
                       metrics["train_seconds"], int(metrics.get("pl_selected", 0)), int(metrics.get("pl_total", 0)))
 
     # ------------------------------------------------------------------ the loop
@@ -274,6 +280,8 @@ class SiloClient:
                     return 0
                 if task.kind == silo_pb2.Task.TRAIN:
                     self._train(task)
+                elif task.kind == silo_pb2.Task.SECAGG:
+                    self.privacy.run_stage(task)
                 elif task.retry_after_s > 0:
                     self.stop_event.wait(min(task.retry_after_s, 5.0))
             except grpc.RpcError as err:

@@ -36,6 +36,7 @@ from silo_server.checkpoint import write_json_atomic
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub
 from silo_server.metrics import HubMetrics
+from silo_server.privacy import HubPrivacy
 from silo_server.servicer import FederationServicer
 
 log = logging.getLogger("silo_server")
@@ -109,6 +110,7 @@ class HubApp:
             half_precision=config.wire.half_precision,
             evaluate=self.evaluate if self.test is not None else None,
             seed=config.run.seed,
+            privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
         )
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
                                    version=getattr(silo_core, "__version__", "0.1.0"))
@@ -301,6 +303,8 @@ class HubApp:
                           "skipped_images": r.skipped_images}
                       for s, r in sorted(self.hub.silos.items())},
             "final_metrics": {k: v for k, v in final.items() if k.startswith("test_")},
+            "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
+            "stopped_early": self.hub.stopped_reason or None,
             "weights_file": weights.name,
             "weights_sha256": sha256_hex(weights.read_bytes()),
             "inference": "load with safetensors, build the named model, load_state_dict, call .eval(); inputs are "

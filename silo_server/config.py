@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.models import MODELS
+from silo_server.privacy import PrivacySection
 
 
 class ConfigError(ValueError):
@@ -164,6 +165,7 @@ class HubConfig(_Strict):
     wire: WireSection = Field(default_factory=WireSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    privacy: PrivacySection = Field(default_factory=PrivacySection)
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

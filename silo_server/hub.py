@@ -24,10 +24,12 @@ from typing import Any
 import torch
 
 from security import validation
+from security.secagg import ProtocolError
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
-from silo_core.tensors import TensorSpec, encode, sha256_hex
+from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
 from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
+from silo_server.privacy import BudgetExhausted, HubPrivacy
 
 log = logging.getLogger("silo_server")
 
@@ -76,13 +78,15 @@ class ActiveTask:
     bytes_up: int = 0
     bytes_down: int = 0
     open: bool = True
+    privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/privacy.py)
+    accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
 
 
 @dataclass
 class TaskView:
     """What NextTask answers, transport-neutral."""
 
-    kind: str  # "WAIT" | "TRAIN" | "DONE"
+    kind: str  # "WAIT" | "TRAIN" | "SECAGG" | "DONE"
     round: int = 0
     task_id: str = ""
     bundle_bytes: int = 0
@@ -92,6 +96,9 @@ class TaskView:
     expected: dict[str, TensorSpec] = field(default_factory=dict)
     retry_after_s: float = 1.0
     message: str = ""
+    privacy_json: str = ""  # TRAIN: DP instructions and the secure-aggregation session, as JSON
+    secagg_stage: str = ""  # SECAGG: the stage to run (share_keys, masked_input, unmask) and its input
+    secagg_payload: bytes = b""
 
 
 class Hub:
@@ -114,6 +121,7 @@ class Hub:
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         seed: int = 0,
+        privacy: HubPrivacy | None = None,
     ):
         self.algorithm = algorithm
         self.state_dir = Path(state_dir)
@@ -130,6 +138,8 @@ class Hub:
         self.evaluate = evaluate
         self.on_round = on_round
         self.seed = seed
+        self.privacy = privacy if privacy is not None and privacy.enabled else None
+        self.stopped_reason = ""
 
         self.cond = threading.Condition()
         self.silos: dict[str, SiloRecord] = {}
@@ -242,8 +252,13 @@ class Hub:
             return TaskView(
                 "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
-                expected=t.expected,
+                expected=t.expected, privacy_json=t.privacy.privacy_json(t.task_id) if t.privacy else "",
             )
+        if t and t.privacy is not None and silo_id in t.sampled:
+            stage = HubPrivacy.view(t.privacy, silo_id)
+            if stage is not None:
+                return TaskView("SECAGG", round=t.round, task_id=t.task_id, secagg_stage=stage[0],
+                                secagg_payload=stage[1])
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {self.phase}, round {self.round}")
 
     def _task_of(self, silo_id: str, task_id: str) -> ActiveTask:
@@ -269,6 +284,8 @@ class Hub:
 
     def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """Validate a whole result before it touches the round's sums; any fault refuses it and changes nothing."""
+        if header.get("secagg_stage"):
+            return self._secagg_upload(silo_id, header, chunks)
         h = self.validate(silo_id, lambda: validation.check_upload_header(header))
         with self.cond:
             self._check_run(silo_id, h.run_id)
@@ -290,7 +307,13 @@ class Hub:
             if skipped:
                 return {}
             tensors = validation.decode_tensors(payload)
-            validation.check_update(tensors, t.expected, self.max_update_norm, max_weight, t.plan.groups)
+            validation.check_update(tensors, t.accepted or t.expected, self.max_update_norm, max_weight,
+                                    t.plan.groups)
+            if t.privacy is not None:
+                try:
+                    HubPrivacy.check_clear_upload(t.privacy, tensors)
+                except ProtocolError as err:
+                    raise validation.Invalid("FAILED_PRECONDITION", "privacy", str(err)) from None
             return tensors
 
         tensors = self.validate(silo_id, read)
@@ -311,6 +334,45 @@ class Hub:
             self.cond.notify_all()
         log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
                  len(t.reported), len(t.sampled))
+
+    def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
+        """A secure-aggregation stage message (silo_server/privacy.py checks it against the session)."""
+        stage = str(header["secagg_stage"])
+        with self.cond:
+            self._check_run(silo_id, header.get("run_id", ""))
+            self._touch(silo_id)
+            t = self.task
+            if t is None or t.task_id != header.get("task_id", "") or t.privacy is None:
+                raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                  f"task {header.get('task_id')} is not the current secure-aggregation round")
+            if silo_id not in t.sampled:
+                raise self.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
+                                  f"silo {silo_id} was not sampled for round {t.round}")
+            if stage == "advertise_keys" and not t.open:
+                raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
+        total = int(header.get("total_bytes", 0))
+        try:
+            assembler = ChunkAssembler(total, self.max_upload_bytes)
+            for offset, data in chunks:
+                assembler.add(offset, data)
+            payload = assembler.finish(str(header.get("sha256", "")))
+        except CodecError as err:
+            code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
+            raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+        with self.cond:
+            if self.task is not t:
+                raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
+            try:
+                HubPrivacy.receive(t.privacy, silo_id, stage, payload)
+            except ProtocolError as err:
+                code = "ALREADY_EXISTS" if "already sent" in str(err) else "INVALID_ARGUMENT"
+                raise self.refuse(silo_id, code, "bad_secagg", str(err)) from None
+            if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
+                t.reported.add(silo_id)
+                self.silos[silo_id].rounds_contributed += 1
+            t.bytes_up += total
+            self.cond.notify_all()
+        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
 
     # ------------------------------------------------------------------ the round loop
     def live_silos(self) -> list[str]:
@@ -352,6 +414,8 @@ class Hub:
             state, info = loaded
             self.history = info.get("history", [])
             log.info("resumed from checkpoint after round %d", state.round)
+            if self.privacy is not None:
+                self.privacy.load_state_dict(info.get("privacy"))
         else:
             log.info("no checkpoint in %s: initial hub training", self.state_dir)
             state = self.algorithm.init_state()
@@ -361,7 +425,10 @@ class Hub:
         return state
 
     def _checkpoint(self, state: HubState) -> None:
-        save_checkpoint(self.state_dir, state, {"run_id": self.run_id, "history": self.history})
+        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history}
+        if self.privacy is not None:
+            info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
+        save_checkpoint(self.state_dir, state, info)
         write_json_atomic(self.state_dir / "history.json", {"run_id": self.run_id, "rounds": self.history})
 
     def run_round(self, state: HubState) -> HubState:
@@ -385,6 +452,9 @@ class Hub:
                 deadline=time.time() + self.deadline_s, expected=wire_specs(plan.expected, self.half_precision),
             )
             need = self._quorum_count(len(sampled))
+            if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
+                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.silos), need)
+                task.accepted = task.privacy.accepted
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
             with self.cond:
                 self.task, self.round, self.phase = task, r, "training"
@@ -395,7 +465,13 @@ class Hub:
                     self.cond.wait(timeout=0.5)
                 task.open = False
                 self.phase = "aggregating"
-            if len(task.reported) >= need:
+            if self.privacy is not None:
+                outcome = self.privacy.complete(self, task, need)
+                if outcome is not None:
+                    summed, summed_metrics, privacy_metrics = outcome
+                    state, metrics = self.algorithm.finish_round(state, summed, summed_metrics)
+                    return self._complete_round(state, {**metrics, **privacy_metrics}, task.started, task)
+            elif len(task.reported) >= need:
                 summed = task.sums.result()
                 aggregation_started = time.time()
                 state, metrics = self.algorithm.finish_round(state, summed, task.sums.metrics)
@@ -458,11 +534,16 @@ class Hub:
         self.state = state
         try:
             while state.round < self.total_rounds and not self.stop_event.is_set():
+                if self.privacy is not None:
+                    self.privacy.check_budget()
                 state = self.run_round(state)
                 self.state = state
         except InterruptedError:
             log.info("stopped during round %d; the next start resumes after round %d", state.round + 1, state.round)
             return state
+        except BudgetExhausted as err:
+            self.stopped_reason = f"privacy budget: {err}"
+            log.warning("stopping after round %d: %s", state.round, err)
         self._set_phase("done")
         return state
 

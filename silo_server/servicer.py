@@ -18,7 +18,8 @@ from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Hub, Refusal
 
-_KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo_pb2.Task.DONE}
+_KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo_pb2.Task.DONE,
+          "SECAGG": silo_pb2.Task.SECAGG}
 
 
 def run_description_message(desc: dict) -> silo_pb2.RunDescription:
@@ -101,6 +102,9 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             expected=[silo_pb2.TensorSpec(name=n, shape=list(s.shape), dtype=s.dtype) for n, s in view.expected.items()],
             retry_after_s=view.retry_after_s,
             message=view.message,
+            privacy_json=view.privacy_json,
+            secagg_stage=view.secagg_stage,
+            secagg_payload=view.secagg_payload,
         )
 
     def Download(self, request, context) -> Iterator[silo_pb2.Chunk]:
@@ -121,7 +125,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         h = first.header
         header = {
             "run_id": h.run_id, "task_id": h.task_id, "round": h.round, "total_bytes": h.total_bytes,
-            "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics),
+            "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics), "secagg_stage": h.secagg_stage,
         }
 
         def chunks():

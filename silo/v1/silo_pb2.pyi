@@ -80,17 +80,19 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message")
+    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message", "privacy_json", "secagg_stage", "secagg_payload")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Task.Kind]
         WAIT: _ClassVar[Task.Kind]
         TRAIN: _ClassVar[Task.Kind]
         DONE: _ClassVar[Task.Kind]
+        SECAGG: _ClassVar[Task.Kind]
     KIND_UNSPECIFIED: Task.Kind
     WAIT: Task.Kind
     TRAIN: Task.Kind
     DONE: Task.Kind
+    SECAGG: Task.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,9 @@ class Task(_message.Message):
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_JSON_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     kind: Task.Kind
     run_id: str
     round: int
@@ -113,7 +118,10 @@ class Task(_message.Message):
     expected: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     retry_after_s: float
     message: str
-    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+    privacy_json: str
+    secagg_stage: str
+    secagg_payload: bytes
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ..., privacy_json: _Optional[str] = ..., secagg_stage: _Optional[str] = ..., secagg_payload: _Optional[bytes] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("run_id", "task_id")
@@ -132,7 +140,7 @@ class Chunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("run_id", "task_id", "round", "total_bytes", "sha256", "skipped", "metrics")
+    __slots__ = ("run_id", "task_id", "round", "total_bytes", "sha256", "skipped", "metrics", "secagg_stage")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +155,7 @@ class UploadHeader(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_STAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task_id: str
     round: int
@@ -154,7 +163,8 @@ class UploadHeader(_message.Message):
     sha256: str
     skipped: bool
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    secagg_stage: str
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secagg_stage: _Optional[str] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
     __slots__ = ("header", "chunk")

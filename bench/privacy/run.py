@@ -1,0 +1,308 @@
+"""Privacy benchmark: what secure aggregation costs, and what DP costs in accuracy.
+
+    python bench/privacy/run.py secagg                  # 10, 50, 100 silos x WRN-28-2's 1.47M parameters
+    python bench/privacy/run.py dp                      # SemiFL on the bundled data at a few epsilons
+    python bench/privacy/run.py secagg --silos 10 --dropout 0.1
+
+secagg: the deployment's SecAgg+ objects driven in one process (security/secagg/inprocess.py): every byte that
+would cross the wire is produced and consumed, only transport is skipped. Per-silo time is the sum of that
+silo's four stages; hub time is every receive/close/finish call. Silos run one after another, so the numbers are
+per-party CPU costs, not a wall-clock round time.
+
+dp: SemiFL's hub and silo halves in-process with the deployment's privacy pipeline (silo: clip, its share of the
+Gaussian noise, fixed-point, masks; hub: unmask, accountant), the noise multiplier chosen so that the planned rounds
+spend exactly the target epsilon (RDP, delta 1e-5), compared with no DP and with the hub's labels alone.
+
+Writes bench/privacy/results/{secagg,dp}.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from security.dp import DPConfig, DPController, PrivacyAccountant, privatize_update  # noqa: E402
+from security.secagg import QuantizationRule, SecAggParams  # noqa: E402
+from security.secagg.inprocess import Costs, aggregate  # noqa: E402
+from silo_core.models import ModelSpec  # noqa: E402
+
+OUT = ROOT / "bench" / "privacy" / "results"
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available()}
+
+
+# ------------------------------------------------------------------------------------------------ secure aggregation
+def wrn_update(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A silo result shaped like SemiFL's for WRN-28-2: delta/<param> for every parameter, and weight."""
+    model = ModelSpec(name="wrn28_2", num_classes=10, in_channels=3, image_size=32).build()
+    g = torch.Generator().manual_seed(seed)
+    out = {f"delta/{n}": torch.randn(p.shape, generator=g) * 1e-3 for n, p in model.named_parameters()}
+    out["weight"] = torch.ones(1)
+    return out
+
+
+def bench_secagg(silo_counts: list[int], dropout: float, seed: int = 0, complete: bool = False
+                 ) -> list[dict[str, Any]]:
+    update = wrn_update(seed)
+    params_count = sum(t.numel() for n, t in update.items() if n.startswith("delta/"))
+    plain_bytes = 4 * sum(t.numel() for t in update.values())
+    rows = []
+    cases = [(n, drop, None) for n in silo_counts for drop in ([0.0, dropout] if dropout > 0 else [0.0])]
+    if complete:  # Bonawitz et al.'s complete graph, for comparison
+        cases += [(n, drop, n - 1) for n in silo_counts for drop in ([0.0, dropout] if dropout > 0 else [0.0])]
+    for n, drop, neighbours in cases:
+        # defaults: k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point
+        params = SecAggParams(enabled=True, neighbours=neighbours)
+        ids = [f"silo-{i:03d}" for i in range(n)]
+        inputs = {i: update for i in ids}  # one shared tensor set: memory stays flat at 100 silos
+        dropped = max(1, round(drop * n)) if drop > 0 else 0
+        rng = random.Random(seed)
+        drop_map = {i: "masked_input" for i in rng.sample(ids, dropped)}
+        costs = Costs()
+        started = time.perf_counter()
+        result = aggregate(inputs, params, drop=drop_map, costs=costs, seed=seed, keep_levels=False)
+        wall = time.perf_counter() - started
+        count = len(result.contributors)  # every silo sent the same update: the exact sum is count * update
+        err = max(float((result.sums[n] - update[n].double() * count).abs().max()) for n in update)
+        active = [i for i in ids if i not in drop_map]
+        silo_s = [costs.silo_seconds[i] for i in active]
+        up = [costs.silo_bytes_up[i] for i in active]
+        down = [costs.silo_bytes_down[i] for i in active]
+        row = {
+            "silos": n, "dropped_after_sharing": dropped, "parameters": params_count,
+            "neighbours_k": result.stats["degree"], "threshold_t": result.stats["threshold"],
+            "silo_seconds_mean": statistics.mean(silo_s), "silo_seconds_max": max(silo_s),
+            "silo_bytes_up_mean": statistics.mean(up), "silo_bytes_down_mean": statistics.mean(down),
+            "plain_upload_bytes": plain_bytes,
+            "hub_seconds": costs.hub_seconds, "hub_bytes_in": result.stats["bytes_in"],
+            "hub_bytes_out": result.stats["bytes_out"], "wall_seconds": wall,
+            "max_abs_error_checked": err, "contributors": len(result.contributors),
+            "graph": "complete" if neighbours else "sparse",
+        }
+        rows.append(row)
+        print(f"n={n:3d} dropped={dropped:2d} k={row['neighbours_k']:2d} t={row['threshold_t']:2d}  "
+              f"silo {row['silo_seconds_mean']:.3f}s (max {row['silo_seconds_max']:.3f}s), "
+              f"up {row['silo_bytes_up_mean'] / 1e6:.3f} MB, down {row['silo_bytes_down_mean'] / 1e3:.1f} kB | "
+              f"hub {row['hub_seconds']:.2f}s, in {row['hub_bytes_in'] / 1e6:.1f} MB | err {err:.2e}", flush=True)
+    return rows
+
+
+def secagg_markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    lines = [
+        f"SecAgg+ cost for a {rows[0]['parameters'] / 1e6:.2f}M-parameter model (WRN-28-2 deltas + weight), "
+        f"defaults (k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point).",
+        f"Machine: {info['platform']}, {info['cpu_count']} CPUs (shared); in-process, silos one after another.",
+        f"Plain float32 upload for comparison: {rows[0]['plain_upload_bytes'] / 1e6:.2f} MB per silo.", "",
+        "| graph | silos | dropped after sharing | k | t | per-silo CPU s (mean / max) | per-silo up MB "
+        "| per-silo down kB | hub CPU s | hub in MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['graph']} | {r['silos']} | {r['dropped_after_sharing']} | {r['neighbours_k']} | {r['threshold_t']} | "
+            f"{r['silo_seconds_mean']:.3f} / {r['silo_seconds_max']:.3f} | {r['silo_bytes_up_mean'] / 1e6:.3f} | "
+            f"{r['silo_bytes_down_mean'] / 1e3:.1f} | {r['hub_seconds']:.2f} | {r['hub_bytes_in'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ DP accuracy
+def noise_for_epsilon(target: float, rounds: int, sample_rate: float, delta: float = 1e-5) -> float:
+    """The smallest noise multiplier whose `rounds` steps at `sample_rate` spend at most `target` (bisection)."""
+    lo, hi = 0.3, 50.0
+
+    def eps(z: float) -> float:
+        acc = PrivacyAccountant("rdp", delta)
+        acc.step(z, sample_rate, steps=rounds)
+        return acc.epsilon()
+
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > target else (lo, mid)
+    return hi
+
+
+def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device, algorithm: str = "semifl"
+               ) -> dict[str, Any]:
+    from silo_core.algorithms import get_algorithm
+    from silo_core.algorithms.base import HubData, SiloData
+    from silo_core.training import evaluate
+
+    entry = get_algorithm(algorithm)
+    options = entry.options.model_validate({k: v for k, v in args.options.items() if k in entry.options.model_fields})
+    spec = ModelSpec(num_classes=len(train.classes))
+    torch.manual_seed(args.seed)
+    hub = entry.hub(options, spec, HubData(train.images[hub_idx], train.labels[hub_idx]), device, args.seed,
+                    args.rounds)
+    silo = entry.silo(options, spec, device) if entry.silo is not None else None
+    silos = [SiloData(images=train.images[idx], true_labels=train.labels[idx], silo_id=f"silo-{i:03d}")
+             for i, idx in enumerate(parts)]
+    per_round = max(1, round(args.sample_rate * len(silos)))
+    q = per_round / len(silos)
+    secagg = SecAggParams(enabled=True, quantization=[QuantizationRule(pattern="weight", clip=64.0, bits=20),
+                                                      QuantizationRule(pattern="*", clip=1.0, bits=20)])
+    dp = None
+    if epsilon is not None:
+        z = noise_for_epsilon(epsilon, args.rounds, q) if math.isfinite(epsilon) else 1e-9
+        dp = DPController(DPConfig(enabled=True, noise_multiplier=max(z, 1e-9), clip_norm=args.clip_norm,
+                                   noise="distributed"), secure_aggregation=True, seed=args.seed)
+    state = hub.init_state()
+    rng = random.Random(args.seed)
+    history, norms = [], []
+    started = time.time()
+    for r in range(1, args.rounds + 1):
+        plan = hub.begin_round(state)
+        summed: dict[str, torch.Tensor] = {}
+        if silo is not None:
+            sampled = rng.sample(silos, per_round)
+            instructions = dp.plan_round(per_round, len(silos), per_round) if dp is not None else None
+            inputs = {}
+            for data in sampled:
+                result = silo.local_update(plan, data)
+                tensors = ({n: torch.zeros(s.shape) for n, s in plan.expected.items()} if result.skipped
+                           else dict(result.tensors))
+                if instructions is not None:
+                    tensors, stats = privatize_update(tensors, instructions)
+                    norms.append(stats["update_norm"])
+                inputs[data.silo_id] = {n: t.float() for n, t in tensors.items()}
+            rules = secagg
+            if instructions is not None:  # the hub's per-round fixed-point range, as silo_server/privacy.py does
+                rules = secagg.model_copy(update={"quantization": [QuantizationRule(
+                    pattern="delta/*", clip=args.clip_norm + 6 * instructions.noise_std, bits=20)]
+                    + list(secagg.quantization)})
+            out = aggregate(inputs, rules, session=f"r{r}", seed=r, keep_levels=False)
+            summed = {k: v.float() for k, v in out.sums.items()}
+            if dp is not None:
+                summed, _ = dp.finish_round(summed, len(out.contributors), per_round, len(silos))
+        state, metrics = hub.finish_round(state, summed, {})
+        acc = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
+        history.append({"round": r, "test_accuracy": acc["accuracy"],
+                        **({"epsilon": dp.epsilon()} if dp and math.isfinite(epsilon) else {})})
+        print(f"  {algorithm} eps={epsilon} round {r}: accuracy {acc['accuracy']:.4f}"
+              + (f", epsilon {dp.epsilon():.3f}" if dp and math.isfinite(epsilon) else ""), flush=True)
+    finite = dp is not None and math.isfinite(epsilon)
+    return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.config.noise_multiplier
+            if finite else None, "spent_epsilon": dp.epsilon() if finite else None, "sample_rate": q,
+            "final_accuracy": history[-1]["test_accuracy"], "history": history, "seconds": time.time() - started,
+            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round": per_round,
+            "median_update_norm": statistics.median(norms) if norms else None}
+
+
+def bench_dp(args) -> list[dict[str, Any]]:
+    from silo_core.data import load_demo
+    from silo_core.partition import make_partition, split_labeled_per_class
+    from silo_core.training import resolve_device
+
+    device = resolve_device(args.device)
+    train, test = load_demo("train"), load_demo("test")
+    hub_idx, rest = split_labeled_per_class(train.labels.numpy(), args.labels_per_class, args.seed)
+    parts = [rest[p] for p in make_partition(train.labels.numpy()[rest], args.silos, "iid", args.seed)]
+    cells = [run_semifl(None, args, train, test, hub_idx, parts, device, algorithm="server-only")]
+    for eps in args.epsilons:
+        cells.append(run_semifl(None if eps == "none" else float(eps), args, train, test, hub_idx, parts, device))
+    return cells
+
+
+def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
+    lines = [
+        f"DP accuracy cost: SemiFL on the bundled Fashion-MNIST subset ({args.labels_per_class} labels per class at "
+        f"the hub, {args.silos} IID silos, {round(args.sample_rate * args.silos)} per round, {args.rounds} rounds, "
+        f"secure aggregation on, distributed noise, clip C = {args.clip_norm}, delta 1e-5, RDP).",
+        f"Options: {json.dumps(args.options)}. Machine: {info['platform']}, {info['cpu_count']} CPUs. One seed.", "",
+        "The last column is the noise's L2 norm on the averaged update relative to the clip norm, z sqrt(d) / m "
+        "(d parameters, m silos per round): far above 1, the silos' contribution is drowned and only the hub's own "
+        "fine-tuning moves the model.", "",
+        "| setting | noise multiplier z | epsilon spent | test accuracy (%) | noise norm / C on the mean |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cells:
+        if c["algorithm"] == "server-only":
+            name = "hub labels only (server-only)"
+        elif c["target_epsilon"] is None:
+            name = "SemiFL + secure aggregation, no DP"
+        elif math.isinf(c["target_epsilon"]):
+            name = "SemiFL + clipping only (epsilon = inf)"
+        else:
+            name = f"SemiFL + DP, target epsilon {c['target_epsilon']:g}"
+        z = "-" if c["noise_multiplier"] is None else f"{c['noise_multiplier']:.3f}"
+        e = "-" if c["spent_epsilon"] is None else f"{c['spent_epsilon']:.3f}"
+        if c["target_epsilon"] is not None and math.isinf(c["target_epsilon"]):
+            z, e = "0 (clip only)", "inf"
+        snr = "-"
+        if c["noise_multiplier"] is not None and c.get("parameters"):
+            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters']) / c['silos_per_round']:.1f}"
+        lines.append(f"| {name} | {z} | {e} | {100 * c['final_accuracy']:.1f} | {snr} |")
+    return "\n".join(lines) + "\n"
+
+
+def remake_dp_markdown(path: Path) -> str:
+    """Rebuild dp.md from dp.json (e.g. after a table format change)."""
+    data = json.loads(path.read_text())
+    args = argparse.Namespace(**data["settings"])
+    for c in data["cells"]:
+        c.setdefault("parameters", sum(p.numel() for p in ModelSpec(num_classes=10).build().parameters()))
+        c.setdefault("silos_per_round", round(args.sample_rate * args.silos))
+        if isinstance(c["target_epsilon"], str):
+            c["target_epsilon"] = float(c["target_epsilon"])
+    return dp_markdown(data["cells"], args, data["machine"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["secagg", "dp", "all", "dp-table"])
+    p.add_argument("--silos-list", "--silos-counts", dest="silo_counts", type=int, nargs="*", default=[10, 50, 100])
+    p.add_argument("--dropout", type=float, default=0.05, help="secagg: also run with this fraction dropped")
+    p.add_argument("--complete-graph", action="store_true", help="secagg: also run Bonawitz's complete graph")
+    p.add_argument("--epsilons", nargs="*", default=["none", "inf", "8", "2"])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--silos", type=int, default=20, help="dp: silos enrolled")
+    p.add_argument("--sample-rate", type=float, default=0.5)
+    p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--labels-per-class", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    args.options = {"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16, "tau": 0.5,
+                    "lr_schedule": "constant"}
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    if args.what == "dp-table":
+        table = remake_dp_markdown(args.out / "dp.json")
+        (args.out / "dp.md").write_text(table)
+        print(table)
+        return 0
+    if args.what in ("secagg", "all"):
+        rows = bench_secagg(args.silo_counts, args.dropout, args.seed, args.complete_graph)
+        (args.out / "secagg.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        (args.out / "secagg.md").write_text(secagg_markdown(rows, info))
+        print(secagg_markdown(rows, info))
+    if args.what in ("dp", "all"):
+        cells = bench_dp(args)
+        (args.out / "dp.json").write_text(json.dumps({"machine": info, "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out",)}, "cells": cells}, indent=1, default=str))
+        (args.out / "dp.md").write_text(dp_markdown(cells, args, info))
+        print(dp_markdown(cells, args, info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

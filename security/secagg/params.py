@@ -1,0 +1,56 @@
+"""Secure-aggregation settings shared by hub and silos (the hub.yaml `privacy.secure_aggregation` section)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from security.secagg.quantize import Rule
+
+
+class QuantizationRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str = Field(description="fnmatch pattern over tensor names; the first matching rule applies")
+    clip: float = Field(gt=0, description="values are clipped to [-clip, clip] before encoding")
+    bits: int = Field(ge=1, le=48, description="levels per value: 2^bits - 1 across [-clip, clip]")
+
+    def rule(self) -> Rule:
+        return Rule(self.pattern, self.clip, self.bits)
+
+
+def _default_rules() -> list[QuantizationRule]:
+    return [
+        QuantizationRule(pattern="weight", clip=1024.0, bits=20),
+        QuantizationRule(pattern="*", clip=1.0, bits=20),
+    ]
+
+
+class SecAggParams(BaseModel):
+    """SecAgg+ knobs. Defaults: a neighbourhood of ~3 log2 n, t = 2/3 of it (always a strict majority, >= 2),
+    sums in Z_{2^32}, every tensor clipped to [-1, 1] in 20 bits except `weight` (up to 1024)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="mask every silo upload; the hub learns only the sum")
+    neighbours: int | None = Field(
+        None, ge=2, description="k: each silo masks with and shares among k others (None: 3*ceil(log2 n))"
+    )
+    threshold: float = Field(
+        2 / 3, gt=0, le=1, description="t as a fraction of k (raised to a strict majority and at least 2)"
+    )
+    modulus_bits: Literal[32, 64] = Field(32, description="sums live in Z_{2^m}; 32 halves the upload of 64")
+    quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
+    max_masked_bytes: int = Field(1 << 30, ge=1024, description="cap on one masked upload")
+    stage_deadline_s: float = Field(120.0, gt=0, description="time limit of each stage after training")
+
+    @model_validator(mode="after")
+    def _bits_fit(self) -> SecAggParams:
+        for r in self.quantization:
+            if r.bits >= self.modulus_bits:
+                raise ValueError(f"rule {r.pattern!r}: bits ({r.bits}) must be below modulus_bits ({self.modulus_bits})")
+        return self
+
+    def rules(self) -> list[Rule]:
+        return [r.rule() for r in self.quantization]

@@ -1,0 +1,280 @@
+"""The hub's privacy layer: secure aggregation stages and client-level DP around a round, transport-free.
+
+The hub core (hub.py) calls three hooks and keeps everything else here:
+
+    begin(task_id, expected, sampled, enrolled, need) -> RoundPrivacy   before the round is published
+                                                       (DP budget check and instructions; a SecAgg+ session)
+    view(round_privacy, silo)  -> (stage, payload)     what a polling silo must do for secure aggregation now
+    complete(hub, task, need)  -> sums or None         after training: drive the SecAgg+ stages (or take the plain
+                                                       sums), add central noise, charge the accountant
+
+With secure aggregation a silo's training result never reaches the hub in the clear: its "upload" is the
+advertise-keys message, then it answers the share-keys, masked-input and unmask stages that the hub hands out
+through NextTask (kind SECAGG) and that come back through Upload (UploadHeader.secagg_stage).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from security.dp import (
+    UNCLIPPED,
+    BudgetExhausted,
+    DPConfig,
+    DPController,
+    SiloInstructions,
+    quantization_clip,
+    update_norm,
+)
+from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggParams
+from security.secagg.params import QuantizationRule
+from security.secagg.quantize import rule_for
+from silo_core.tensors import TensorSpec
+
+log = logging.getLogger("silo_server")
+
+__all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "RoundAbandoned", "RoundPrivacy"]
+
+STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "unmask", "abort")
+
+
+class PrivacySection(BaseModel):
+    """hub.yaml `privacy`: secure aggregation and differential privacy (both off by default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    secure_aggregation: SecAggParams = Field(default_factory=SecAggParams)
+    dp: DPConfig = Field(default_factory=DPConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.secure_aggregation.enabled or self.dp.enabled
+
+
+@dataclass
+class RoundPrivacy:
+    """The privacy state of one round attempt (lives on the hub's ActiveTask)."""
+
+    instructions: SiloInstructions | None
+    session: HubSession | None
+    accepted: dict[str, TensorSpec]  # what silos send: the plan's tensors plus the DP indicator
+    expected_silos: int
+    enrolled: int
+    outbox: dict[str, bytes] = field(default_factory=dict)  # the current stage's message per silo
+    outbox_stage: str = ""
+    answered: set[str] = field(default_factory=set)  # silos that answered the current stage
+
+    def privacy_json(self, task_id: str) -> str:
+        body: dict[str, Any] = {}
+        if self.instructions is not None:
+            body["dp"] = self.instructions.to_json()
+        if self.session is not None:
+            body["secagg"] = {"session": task_id}
+        return json.dumps(body) if body else ""
+
+
+class HubPrivacy:
+    def __init__(self, section: PrivacySection, seed: int | None = None):
+        self.section = section
+        self.secagg = section.secure_aggregation if section.secure_aggregation.enabled else None
+        self.dp = DPController(section.dp, self.secagg is not None, seed=seed) if section.dp.enabled else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.secagg is not None or self.dp is not None
+
+    # ------------------------------------------------------------------ before the round
+    def begin(self, task_id: str, expected: dict[str, TensorSpec], sampled: set[str], enrolled: int,
+              need: int) -> RoundPrivacy:
+        """DP instructions after the budget check (raises BudgetExhausted), and the round's SecAgg+ session."""
+        instructions = None
+        accepted = dict(expected)
+        if self.dp is not None:
+            instructions = self.dp.plan_round(len(sampled), enrolled, need)
+            if instructions.adaptive:
+                accepted[UNCLIPPED] = TensorSpec((1,), "float32")
+        session = None
+        if self.secagg is not None:
+            params = self._round_params(instructions, accepted)
+            shapes = {n: tuple(s.shape) for n, s in accepted.items()}
+            try:
+                session = HubSession(task_id, sorted(sampled), params, shapes, min_survivors=need)
+            except ValueError as err:
+                raise RuntimeError(f"secure aggregation cannot run with {len(sampled)} silos in a round: {err}; "
+                                   f"raise rounds.silos_per_round / rounds.min_silos or the bits budget") from None
+        return RoundPrivacy(instructions, session, accepted, len(sampled), enrolled)
+
+    def _round_params(self, instructions: SiloInstructions | None, accepted: dict[str, TensorSpec]) -> SecAggParams:
+        """With distributed DP the fixed-point range follows the round's clip norm and noise: every clipped value
+        and all but ~2e-9 of the noise fit, at the bit width configured for those tensors."""
+        params = self.secagg
+        if instructions is None:
+            return params
+        rules = params.rules()
+        extra = []
+        for prefix in instructions.clip_tensors:
+            names = [n for n in accepted if n.startswith(prefix)]
+            if names:
+                bits = rule_for(rules, names[0]).bits
+                clip = quantization_clip(instructions.clip_norm, instructions.noise_std)
+                extra.append(QuantizationRule(pattern=prefix + "*", clip=clip, bits=bits))
+        if instructions.adaptive:
+            bits = rule_for(rules, UNCLIPPED).bits if _covered(rules, UNCLIPPED) else 20
+            extra.append(QuantizationRule(pattern=UNCLIPPED, clip=quantization_clip(0.5,
+                                          instructions.indicator_noise_std), bits=bits))
+        return params.model_copy(update={"quantization": extra + list(params.quantization)})
+
+    def check_budget(self) -> None:
+        """Before waiting for silos: BudgetExhausted if one more round at the last round's (z, q) would exceed the
+        budget (so a restarted hub whose budget is spent stops at once; begin() checks the exact q again)."""
+        if self.dp is None or self.dp.config.epsilon_budget is None or not self.dp.accountant.history:
+            return
+        z, q, _ = self.dp.accountant.history[-1]
+        if not self.dp.accountant.allows(self.dp.config.epsilon_budget, z, q):
+            raise BudgetExhausted(f"epsilon {self.dp.epsilon():.3f} spent in {self.dp.rounds} rounds; one more "
+                                  f"would exceed the budget {self.dp.config.epsilon_budget}")
+
+    # ------------------------------------------------------------------ during the round
+    @staticmethod
+    def view(rp: RoundPrivacy, silo_id: str) -> tuple[str, bytes] | None:
+        if rp.session is None or silo_id in rp.answered or silo_id in rp.session.gone:
+            return None
+        payload = rp.outbox.get(silo_id)
+        return (rp.outbox_stage, payload) if payload is not None else None
+
+    @staticmethod
+    def check_clear_upload(rp: RoundPrivacy, tensors: dict[str, torch.Tensor]) -> None:
+        """A result sent in the clear: refused when the round is securely aggregated (the silo should have kept
+        it), and with central DP its clipped part must be within the round's clip norm (the sensitivity the
+        accountant is charged for is enforced, not assumed)."""
+        if rp.session is not None:
+            raise ProtocolError("this round is securely aggregated: results are never accepted in the clear")
+        if rp.instructions is not None:
+            norm = update_norm(tensors, rp.instructions.clip_tensors)
+            if norm > rp.instructions.clip_norm * (1 + 1e-4) + 1e-12:
+                raise ProtocolError(f"update norm {norm:.6g} exceeds the round's clip norm "
+                                    f"{rp.instructions.clip_norm:.6g}")
+
+    @staticmethod
+    def receive(rp: RoundPrivacy, silo_id: str, stage: str, payload: bytes) -> None:
+        """One stage message from a silo (call under the hub's lock). ProtocolError if it does not fit."""
+        s = rp.session
+        if s is None:
+            raise ProtocolError("this round does not use secure aggregation")
+        if stage == "abort":
+            reason = payload.decode(errors="replace")[:300]
+            log.warning("secure aggregation: silo %s gave up on session %s: %s", silo_id, s.session, reason)
+            s.drop(silo_id)
+            return
+        if stage == "advertise_keys":
+            s.receive_keys(silo_id, payload)
+        elif stage != rp.outbox_stage or silo_id not in rp.outbox:
+            raise ProtocolError(f"stage {stage} is not open for silo {silo_id} (current: {rp.outbox_stage or s.stage})")
+        elif stage == "share_keys":
+            s.receive_shares(silo_id, payload)
+        elif stage == "masked_input":
+            s.receive_masked_input(silo_id, payload)
+        elif stage == "unmask":
+            s.receive_unmask(silo_id, payload)
+        else:
+            raise ProtocolError(f"unknown secure-aggregation stage {stage!r}")
+        if stage != "advertise_keys":
+            rp.answered.add(silo_id)
+
+    # ------------------------------------------------------------------ after training
+    def complete(self, hub: Any, task: Any, need: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]] | None:
+        """The round's usable sums, summed metrics and privacy metrics; None if the round must be retried."""
+        rp: RoundPrivacy = task.privacy
+        extra: dict[str, float] = {}
+        if rp.session is not None:
+            if len(task.reported) < need:
+                return None
+            try:
+                result = self._drive(hub, task)
+            except RoundAbandoned as err:
+                log.warning("round %d attempt %d: %s", task.round, task.attempt, err)
+                return None
+            summed = {k: v.to(torch.float32) for k, v in result.sums.items()}
+            contributors = len(result.contributors)
+            metrics: dict[str, float] = {}
+            extra.update({f"secagg_{k}": float(v) for k, v in result.stats.items()})
+            extra["secagg_contributors"] = float(contributors)
+            if result.suspects:
+                log.warning("secure aggregation: silos %s revealed shares that are not on the polynomial",
+                            ", ".join(result.suspects))
+        else:
+            if len(task.reported) < need:
+                return None
+            summed, metrics, contributors = task.sums.result(), dict(task.sums.metrics), task.sums.contributors
+        if self.dp is not None:
+            if contributors < 1:
+                summed.pop(UNCLIPPED, None)
+                log.warning("round %d: no silo update to privatize; nothing released, nothing charged", task.round)
+            else:
+                summed, dp_metrics = self.dp.finish_round(summed, contributors, rp.expected_silos, rp.enrolled)
+                extra.update(dp_metrics)
+                log.info("round %d: privacy spent epsilon = %.4f at delta = %g (noise multiplier %.3f, sampling "
+                         "rate %.3f, %d rounds charged)", task.round, dp_metrics["dp_epsilon"], self.dp.config.delta,
+                         self.dp.config.noise_multiplier, dp_metrics["dp_sample_rate"], self.dp.rounds)
+        return summed, metrics, extra
+
+    def _drive(self, hub: Any, task: Any):
+        """Close advertise_keys, then run share_keys, masked_input and unmask, each until every silo answered or
+        the stage deadline; finally unmask the sum. RoundAbandoned when the threshold cannot be met."""
+        rp: RoundPrivacy = task.privacy
+        s = rp.session
+        deadline_s = self.secagg.stage_deadline_s
+        stages = (("share_keys", s.close_advertise), ("masked_input", s.close_share_keys),
+                  ("unmask", s.close_masked_input))
+        with hub.cond:
+            for next_stage, close in stages:
+                rp.outbox, rp.outbox_stage, rp.answered = {}, next_stage, set()
+                rp.outbox = close()
+                hub.cond.notify_all()
+                deadline, ready_since = time.time() + deadline_s, None
+                while s.waiting_for() and time.time() < deadline:
+                    if hub.stop_event.is_set():
+                        raise InterruptedError("hub stopping")
+                    if next_stage == "unmask" and s.can_finish():
+                        # every secret is recoverable: wait briefly for spare shares, not for a dead silo
+                        ready_since = ready_since or time.time()
+                        if time.time() - ready_since > min(5.0, deadline_s):
+                            break
+                    hub.cond.wait(timeout=0.25)
+            rp.outbox, rp.outbox_stage = {}, ""
+            return s.finish()
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp": self.dp.state_dict()} if self.dp is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.dp is not None and state and state.get("dp"):
+            self.dp.load_state_dict(state["dp"])
+            log.info("privacy accountant resumed: epsilon %.4f after %d rounds", self.dp.epsilon(), self.dp.rounds)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"secure_aggregation": self.secagg is not None}
+        if self.dp is not None:
+            out.update({"dp_epsilon": self.dp.epsilon(), "dp_delta": self.dp.config.delta,
+                        "dp_rounds": self.dp.rounds, "dp_noise": self.dp.mode,
+                        "dp_noise_multiplier": self.dp.config.noise_multiplier,
+                        "dp_epsilon_budget": self.dp.config.epsilon_budget})
+        return out
+
+
+def _covered(rules, name: str) -> bool:
+    try:
+        rule_for(rules, name)
+        return True
+    except ValueError:
+        return False
+

@@ -1,0 +1,27 @@
+"""The privacy benchmark's secure-aggregation harness runs and its numbers are consistent (the real table is
+produced by `python bench/privacy/run.py secagg`, not by the suite)."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("privacy_bench", ROOT / "bench" / "privacy" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_secagg_bench_tiny_profile():
+    bench = load_bench()
+    rows = bench.bench_secagg([4], dropout=0.25)
+    assert [r["dropped_after_sharing"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["parameters"] > 1_400_000 and (r["neighbours_k"], r["threshold_t"]) == (3, 2)
+        # a masked upload is 4 bytes per value plus small framing: within 1% of the plain float32 upload
+        assert r["plain_upload_bytes"] < r["silo_bytes_up_mean"] < 1.01 * r["plain_upload_bytes"]
+        assert r["max_abs_error_checked"] < r["contributors"] * 2 * 1024 / (2**20 - 1)
+    assert rows[1]["contributors"] == 3
+    assert bench.noise_for_epsilon(8.0, rounds=10, sample_rate=0.5) > 0.5

@@ -1,0 +1,269 @@
+"""The hub and silo privacy layers driven together without a network: secure aggregation stages through the hub's
+task/upload paths, a silo lost mid-protocol, DP epsilon in history and checkpoint, resume, and the budget stop."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from security.dp import DPConfig, PrivacyAccountant
+from security.secagg import QuantizationRule, SecAggParams
+from silo.v1 import silo_pb2
+from silo_client.privacy import SiloPrivacy
+from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan, SiloResult
+from silo_core.models import ModelSpec
+from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
+from silo_server.checkpoint import load_latest
+from silo_server.hub import Hub, Refusal
+from silo_server.privacy import HubPrivacy, PrivacySection
+
+D = 4000
+
+
+class Mean(HubAlgorithm):
+    """x <- x + sum(delta) / sum(weight)."""
+
+    name = "mean"
+
+    def __init__(self, rounds=3):
+        super().__init__(None, ModelSpec(), None, torch.device("cpu"), 0, rounds)
+
+    def init_state(self):
+        return HubState(0, {"model/x": torch.zeros(D)})
+
+    def begin_round(self, state):
+        return RoundPlan(state.round + 1, dict(state.tensors), {},
+                         {"delta/x": TensorSpec((D,), "float32"), "weight": TensorSpec((1,), "float32")})
+
+    def finish_round(self, state, summed, metrics):
+        x = state.tensors["model/x"] + summed["delta/x"] / summed["weight"]
+        return HubState(state.round + 1, {"model/x": x}), {}
+
+    def served_model(self, state):
+        return torch.nn.Identity()
+
+
+class Silo(threading.Thread):
+    """The client's loop against the hub object: TRAIN -> SiloPrivacy.submit, SECAGG -> SiloPrivacy.run_stage."""
+
+    def __init__(self, hub: Hub, silo_id: str, value: float, die_at: str | None = None):
+        super().__init__(daemon=True)
+        self.hub, self.silo_id, self.value, self.die_at = hub, silo_id, value, die_at
+        self.privacy = SiloPrivacy(send_result=self.send_result, send_stage=self.send_stage)
+        self.refused: list[str] = []
+        self.hold_at: str | None = None  # wait for `release` before answering this stage (a frozen silo)
+        self.release = threading.Event()
+        hub.join(silo_id, 10, 0, "cpu")
+
+    def send(self, header, payload):
+        header = {"run_id": self.hub.run_id, "total_bytes": len(payload), "sha256": sha256_hex(payload), **header}
+        self.hub.upload(self.silo_id, header, iter_chunks(payload, 4096))
+
+    def send_result(self, task, tensors, metrics, skipped):
+        self.send({"task_id": task.task_id, "round": task.round, "skipped": skipped, "metrics": metrics},
+                  encode(tensors) if tensors else b"")
+
+    def send_stage(self, task_id, round_, stage, payload):
+        self.send({"task_id": task_id, "round": round_, "secagg_stage": stage}, payload)
+
+    def run(self):
+        while True:
+            try:
+                view = self.hub.next_task(self.silo_id, self.hub.run_id, wait_s=1.0)
+                task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy_json=view.privacy_json,
+                                     secagg_stage=view.secagg_stage, secagg_payload=view.secagg_payload)
+                if view.kind == "DONE":
+                    return
+                if view.kind == "TRAIN":
+                    result = SiloResult({"delta/x": torch.full((D,), self.value), "weight": torch.ones(1)})
+                    self.privacy.submit(self.silo_id, task, result, view.expected)
+                elif view.kind == "SECAGG":
+                    if view.secagg_stage == self.die_at:
+                        return  # killed mid-protocol: never heard from again
+                    if view.secagg_stage == self.hold_at:
+                        self.release.wait()
+                        self.hold_at = None
+                    self.privacy.run_stage(task)
+            except Refusal as r:
+                self.refused.append(r.reason)
+                if r.reason == "not_joined":  # a restarted hub: join again, as the client does
+                    self.hub.join(self.silo_id, 10, 0, "cpu")
+
+
+def make(tmp_path, section, rounds=1, **kw):
+    defaults = dict(state_dir=tmp_path, total_rounds=rounds, run_description={"algorithm": "mean"}, min_silos=5,
+                    quorum=0.6, deadline_s=20.0, liveness_s=60.0, seed=0)
+    return Hub(Mean(rounds), privacy=HubPrivacy(section, seed=0), **{**defaults, **kw})
+
+
+SECAGG = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=1.0,
+                      quantization=[QuantizationRule(pattern="*", clip=8.0, bits=20)])
+
+
+def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG))
+    values = {"s0": 1.0, "s1": 2.0, "s2": 3.0, "s3": 4.0, "s4": 5.0}
+    silos = [Silo(hub, s, v, die_at="masked_input" if s == "s3" else None) for s, v in values.items()]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    for s in silos:
+        s.join(5)
+    entry = hub.history[-1]
+    # complete graph on 5: k = 4, t = 3; s3 shared its keys then vanished: its pair masks were removed
+    assert entry["secagg_degree"] == 4 and entry["secagg_threshold"] == 3
+    assert entry["secagg_u2"] == 5 and entry["secagg_u3"] == 4 and entry["secagg_contributors"] == 4
+    mean = (1 + 2 + 3 + 5) / 4
+    error = (state.tensors["model/x"] - mean).abs().max()
+    level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
+    assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
+    assert hub.history[-1]["silos_reported"] == 5 and all(not s.refused for s in silos)
+
+
+def test_a_hub_restart_mid_protocol_reruns_the_round_with_fresh_keys(tmp_path):
+    section = PrivacySection(secure_aggregation=SECAGG)
+    first = make(tmp_path, section)
+    silos = [Silo(first, f"s{i}", float(i)) for i in range(5)]
+    for s in silos:
+        s.hold_at = "masked_input"
+        s.start()
+    out = {}
+    runner = threading.Thread(target=lambda: out.setdefault("state", first.run()), daemon=True)
+    runner.start()
+    wait = time.time() + 20
+    while time.time() < wait and not (first.task and first.task.privacy and first.task.privacy.outbox_stage
+                                      == "masked_input"):
+        time.sleep(0.005)
+    old_session = first.task.task_id
+    first.stop()  # the hub dies with masked inputs on their way: the session was in memory only
+    runner.join(5)
+    assert out["state"].round == 0 and first.history == []
+    second = make(tmp_path, section)
+    assert second.run_id == first.run_id
+    for s in silos:
+        s.hub = second
+        s.release.set()
+    state = second.run()
+    assert state.round == 1 and second.history[-1]["secagg_contributors"] == 5
+    assert torch.allclose(state.tensors["model/x"], torch.full((D,), 2.0), atol=1e-4)  # mean of 0..4, once
+    assert all(s.privacy.pending.get(old_session) is None for s in silos)
+
+
+def test_below_threshold_the_round_is_retried_not_applied(tmp_path):
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG), max_attempts=2, min_silos=5, deadline_s=2.0)
+    silos = [Silo(hub, f"s{i}", 1.0, die_at="unmask" if i < 2 else None) for i in range(5)]
+    for s in silos:
+        s.start()
+    with pytest.raises(RuntimeError, match="failed to reach quorum in 2 attempts"):
+        hub.run_round(hub.resume_or_init())
+    assert hub.history == []  # nothing half-applied
+    hub.stop()
+
+
+def test_dp_epsilon_is_logged_checkpointed_resumed_and_stops_at_the_budget(tmp_path):
+    z, clip = 1.0, 40.0
+    probe = PrivacyAccountant()
+    probe.step(z, 1.0, steps=2)
+    dp = DPConfig(enabled=True, noise_multiplier=z, clip_norm=clip, epsilon_budget=probe.epsilon() + 1e-9)
+    section = PrivacySection(secure_aggregation=SECAGG.model_copy(update={"quantization": [
+        QuantizationRule(pattern="*", clip=1.0, bits=20)]}), dp=dp)
+    hub = make(tmp_path, section, rounds=5, quorum=1.0)
+    silos = [Silo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    for s in silos:
+        s.join(5)
+    assert state.round == 2 and "privacy budget" in hub.stopped_reason  # a third round would exceed it
+    eps = [h["dp_epsilon"] for h in hub.history]
+    assert eps[0] < eps[1] <= dp.epsilon_budget and eps[1] == pytest.approx(probe.epsilon())
+    # distributed noise: each of 5 silos added N(0, (z C)^2 / 5); the mean of the 5 carries std z C / 5
+    first = hub.history[0]
+    assert first["dp_noise_multiplier"] == z and first["dp_sample_rate"] == 1.0
+    _, info = load_latest(tmp_path)
+    assert info["privacy"]["dp"]["accountant"]["history"] == [[1.0, 1.0, 2]]
+
+    again = make(tmp_path, section, rounds=5, quorum=1.0)
+    resumed = again.run()  # the restarted hub continues the same count and stops at once
+    assert resumed.round == 2 and again.privacy.dp.epsilon() == pytest.approx(eps[1])
+    assert "privacy budget" in again.stopped_reason
+
+
+def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
+    z, clip = 0.5, 200.0  # D = 4000 values of 0.25 * (i + 1): norms ~16..79, never clipped
+    section = PrivacySection(secure_aggregation=SECAGG, dp=DPConfig(enabled=True, noise_multiplier=z, clip_norm=clip))
+    hub = make(tmp_path, section, quorum=1.0)
+    silos = [Silo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    noise = state.tensors["model/x"] - 0.75  # mean of 0.25..1.25
+    assert float(noise.std()) == pytest.approx(z * clip / 5, rel=0.06)
+    assert abs(float(noise.mean())) < 3 * z * clip / 5 / D ** 0.5
+
+
+def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
+    section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=0.5, clip_norm=200.0))
+    hub = make(tmp_path, section, quorum=1.0)
+    silos = [Silo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    assert hub.privacy.dp.mode == "central"
+    assert float((state.tensors["model/x"] - 0.75).std()) == pytest.approx(0.5 * 200.0 / 5, rel=0.06)
+    assert hub.history[0]["dp_epsilon"] > 0
+
+
+def test_every_privacy_key_is_documented_and_validated():
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from silo_server.config import ConfigError, parse_config
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+    def keys(model: type[BaseModel], prefix: str):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from keys(ann, f"{prefix}.{name}")
+            else:
+                yield f"{prefix}.{name}"
+
+    missing = [k for k in keys(PrivacySection, "privacy") if f"`{k}`" not in readme]
+    assert not missing, missing
+    base = {"data": {"labeled": {"kind": "demo"}}}
+    with pytest.raises(ConfigError, match="unknown key 'privacy.dp.epsilon'"):
+        parse_config({**base, "privacy": {"dp": {"epsilon": 3}}})
+    with pytest.raises(ConfigError, match=r"privacy.secure_aggregation'.*bits \(40\) must be below modulus_bits"):
+        parse_config({**base, "privacy": {"secure_aggregation": {"quantization": [{"pattern": "*", "clip": 1,
+                                                                                  "bits": 40}]}}})
+    cfg = parse_config({**base, "privacy": {"secure_aggregation": {"enabled": True}, "dp": {"enabled": True,
+                                                                                          "epsilon_budget": 8}}})
+    assert cfg.privacy.enabled and cfg.privacy.dp.epsilon_budget == 8
+
+
+def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_under_central_dp(tmp_path):
+    for section, bad, why in [
+        (PrivacySection(secure_aggregation=SECAGG), 0.1, "never accepted in the clear"),
+        (PrivacySection(dp=DPConfig(enabled=True, clip_norm=1.0)), 1.0, "exceeds the round's clip norm"),
+    ]:
+        hub = make(tmp_path / why[:5], section, min_silos=3)
+        silos = [Silo(hub, f"s{i}", 0.0) for i in range(3)]
+        def round_until_stopped(h=hub):
+            with pytest.raises(InterruptedError):
+                h.run_round(h.resume_or_init())
+
+        thread = threading.Thread(target=round_until_stopped, daemon=True)
+        thread.start()
+        view = hub.next_task("s0", hub.run_id, wait_s=5)
+        assert view.kind == "TRAIN"
+        task = silo_pb2.Task(task_id=view.task_id, round=view.round)
+        with pytest.raises(Refusal, match=why) as refused:  # norm sqrt(4000) * 1.0 >> 1
+            silos[0].send_result(task, {"delta/x": torch.full((D,), bad), "weight": torch.ones(1)}, {}, False)
+        assert refused.value.code == "FAILED_PRECONDITION" and hub.task.reported == set()
+        assert hub.refusals == {"privacy": 1}
+        hub.stop()
+        thread.join(5)
