@@ -52,15 +52,37 @@ def _evaluate(coefficients: list[int], x: int) -> int:
 
 def interpolate(points: dict[int, int], at: int = 0) -> int:
     """Lagrange interpolation of the polynomial through `points`, evaluated at `at` (mod p)."""
-    total = 0
-    for xj, yj in points.items():
-        num, den = 1, 1
-        for xm in points:
-            if xm != xj:
-                num = num * (at - xm) % P
+    return lagrange(points)(at)
+
+
+def lagrange(points: dict[int, int]) -> Callable[[int], int]:
+    """The polynomial through `points` as an evaluator, in barycentric form:
+
+        f(x) = sum_j y_j w_j prod_{m != j} (x - x_m),      w_j = 1 / prod_{m != j} (x_j - x_m)
+
+    The weights cost O(t^2) once; each evaluation then costs O(t) (prefix and suffix products), so checking
+    every spare share against a reconstruction stays cheap even for large neighbourhoods.
+    """
+    xs = list(points)
+    ys = [points[x] for x in xs]
+    weights = []
+    for j, xj in enumerate(xs):
+        den = 1
+        for m, xm in enumerate(xs):
+            if m != j:
                 den = den * (xj - xm) % P
-        total = (total + yj * num * pow(den, -1, P)) % P
-    return total
+        weights.append(ys[j] * pow(den, -1, P) % P)
+
+    def evaluate(x: int) -> int:
+        n = len(xs)
+        prefix, suffix = [1] * (n + 1), [1] * (n + 1)
+        for i in range(n):
+            prefix[i + 1] = prefix[i] * (x - xs[i]) % P
+        for i in range(n - 1, -1, -1):
+            suffix[i] = suffix[i + 1] * (x - xs[i]) % P
+        return sum(weights[j] * prefix[j] % P * suffix[j + 1] for j in range(n)) % P
+
+    return evaluate
 
 
 def reconstruct(shares: dict[int, int], t: int, check: Callable[[bytes], bool] | None = None,
@@ -80,13 +102,14 @@ def reconstruct(shares: dict[int, int], t: int, check: Callable[[bytes], bool] |
         if tries >= max_tries:
             break
         chosen = {x: shares[x] for x in subset}
-        value = interpolate(chosen)
+        f = lagrange(chosen)
+        value = f(0)
         if value >> (8 * SECRET_BYTES):
             continue  # not a 256-bit secret: some share in this subset is wrong
         secret = value.to_bytes(SECRET_BYTES, "big")
         if check is not None and not check(secret):
             continue
-        off = [x for x in points if x not in chosen and interpolate(chosen, x) != shares[x]]
+        off = [x for x in points if x not in chosen and f(x) != shares[x]]
         if len(points) - len(off) >= t:
             return secret, off
     raise ReconstructionError("no t shares reconstruct a secret that passes verification")
