@@ -43,16 +43,17 @@ class MetricsServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
 
-    def wait_for_scrape(self, timeout: float) -> bool:
+    def wait_for_scrape(self, timeout: float, watched: bool = False) -> bool:
         """Before a process exits: give Prometheus up to `timeout` seconds to collect the final values.
 
-        Returns at once when nothing has ever scraped this endpoint (no Prometheus is watching). True when a
-        scrape after this call's start was seen.
+        Returns at once when nothing has ever scraped this endpoint (no Prometheus is watching), unless the caller
+        knows one is (`watched`: a short run can end before Prometheus has even discovered the target). True when
+        a scrape after this call's start was seen.
         """
         since = time.time()
         end = since + timeout
         with self.clock.changed:
-            if self.clock.last == 0.0:
+            if self.clock.last == 0.0 and not watched:
                 return False
             while self.clock.last < since:
                 remaining = end - time.time()

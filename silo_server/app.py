@@ -259,6 +259,7 @@ class HubApp:
             if self.hub.stop_event.is_set():
                 return state
             self.export(state)
+            self.done_at = time.time()
             linger_until = time.time() + self.config.server.linger_s
             while time.time() < linger_until and not self.hub.stop_event.is_set():
                 if not self._silos_still_waiting():
@@ -271,9 +272,10 @@ class HubApp:
             self.stop()
 
     def _silos_still_waiting(self) -> bool:
-        # After the final round, silos learn DONE on their next poll; wait until each live one has heard it.
+        # After the final round, silos learn DONE on their next poll; serve until each live one has polled since the
+        # export (in practice the whole server.linger_s, which also leaves time for last scrapes of every party).
         recent = [r for r in self.hub.silos.values() if time.time() - r.last_seen < self.config.rounds.liveness_s]
-        return any(not r.told_done for r in recent)
+        return any(r.last_seen < self.done_at for r in recent)
 
     # -------------------------------------------------------------- the result
     def export(self, state: HubState) -> Path:

@@ -55,7 +55,6 @@ class SiloRecord:
     joined_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
     rounds_contributed: int = 0
-    told_done: bool = False  # has heard that the run is over
 
 
 @dataclass
@@ -244,8 +243,6 @@ class Hub:
 
     def _task_for(self, silo_id: str) -> TaskView:
         if self.phase in ("done", "failed"):
-            if silo_id in self.silos:
-                self.silos[silo_id].told_done = True
             return TaskView("DONE", message=f"run {self.phase}")
         t = self.task
         if t and t.open and silo_id in t.sampled and silo_id not in t.reported:

@@ -159,6 +159,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
             spec = {
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
                 "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
+                "watched": bool(getattr(args, "prometheus_targets", None)),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
                            "labels": str(s.labels)} for s in staged.silos[w::workers]],
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             "algorithm": {"name": args.algorithm, "options": options},
             "model": {"name": args.model, "image_size": 28, "in_channels": 1},
             "wire": {"half_precision": args.half_precision},
+            # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
+            **({"server": {"linger_s": 30.0}} if getattr(args, "prometheus_targets", None) else {}),
             "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
                        "quorum": 0.5, "deadline_s": 900},
         }

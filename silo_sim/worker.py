@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         while t.is_alive():
             t.join(timeout=0.5)
     if server is not None:
-        server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)))  # let Prometheus see the end
+        # Let Prometheus see the end. When the sim registered us with a Prometheus, wait even if no scrape came yet
+        # (a short run can end before discovery) and for a few scrapes, so that rates over the end have samples.
+        watched = bool(spec.get("watched"))
+        for _ in range(3 if watched else 1):
+            if not server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)), watched=watched):
+                break
         server.close()
     failed = sorted(n for n, rc in results.items() if rc != 0)
     return 1 if failed else 0
