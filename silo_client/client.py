@@ -249,11 +249,17 @@ class SiloClient:
             tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
                        for k, v in result.tensors.items()}
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
+        sample_dp = "sample_dp" in plan.hyperparameters
         if task.privacy_json:  # DP and/or secure aggregation: silo_client/privacy.py decides what leaves
             sent = self.privacy.submit(self.silo_id, task, result, expected)
         else:
-            self._upload(task, tensors, metrics, result.skipped)
+            # Under sample-level DP only the DP-SGD update leaves: counts of this silo's images would not be covered.
+            self._upload(task, tensors, {} if sample_dp else metrics, result.skipped)
             sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
+        if sample_dp and "sample_dp_epsilon" in metrics:
+            spent = " (budget reached: no more training)" if metrics.get("sample_dp_budget_spent") else ""
+            self.log.info("round %d: sample-level DP epsilon %.4g at delta %g%s", task.round,
+                          metrics["sample_dp_epsilon"], plan.hyperparameters["sample_dp"]["delta"], spent)
         self.rounds_done.append(task.round)
         self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round, sent,

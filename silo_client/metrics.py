@@ -49,6 +49,8 @@ class SiloMetricFamilies:
         self.pseudo_label_accuracy = Gauge("silokit_silo_pseudo_label_accuracy_ratio", "Share of passing "
                                            "pseudo-labels that were right (simulation only: needs true labels).",
                                            s, registry=r)
+        self.sample_dp_epsilon = Gauge("silokit_silo_sample_dp_epsilon", "Sample-level DP epsilon this silo has "
+                                       "spent in the run (privacy.sample_dp), at the hub's delta.", s, registry=r)
         self.local_loss = Gauge("silokit_silo_local_loss", "Mean local training loss in the last trained round.", s,
                                 registry=r)
         self.received = Counter("silokit_silo_received_bytes", "Bytes of round bundles downloaded from the hub.", s,
@@ -122,6 +124,8 @@ class SiloMetrics:
                 f.pseudo_label_accuracy.labels(s).set(metrics["pl_correct"] / selected)
         if "train_loss" in metrics:
             f.local_loss.labels(s).set(metrics["train_loss"])
+        if "sample_dp_epsilon" in metrics:
+            f.sample_dp_epsilon.labels(s).set(metrics["sample_dp_epsilon"])
 
     def hub_error(self, code: str) -> None:
         self.f.hub_errors.labels(self.silo, code).inc()

@@ -1,4 +1,4 @@
-"""Models with static batch norm (sBN, SemiFL Appendix B).
+"""Models with static batch norm (sBN, SemiFL Appendix B), or group norm for sample-level DP.
 
 Every BatchNorm here normalises with the batch's own statistics while training and keeps no useful running
 estimate of its own; the global statistics used for inference and pseudo-labelling are computed explicitly by
@@ -14,20 +14,34 @@ import torch
 from torch import nn
 
 
+NORMS = ("batch", "group")
+
+
 def static_bn2d(channels: int) -> nn.BatchNorm2d:
     # momentum=None: cumulative average, so a stats pass over data gives their mean, not a decayed estimate.
     return nn.BatchNorm2d(channels, momentum=None, track_running_stats=True)
+
+
+def norm2d(channels: int, norm: str = "batch") -> nn.Module:
+    """Static batch norm, or group norm: batch norm mixes the samples of a batch, so per-sample gradients (DP-SGD,
+    privacy.sample_dp) need a norm that sees one sample at a time."""
+    if norm == "batch":
+        return static_bn2d(channels)
+    if norm == "group":
+        groups = next(g for g in (8, 4, 2, 1) if channels % g == 0)
+        return nn.GroupNorm(groups, channels)
+    raise ValueError(f"unknown norm {norm!r}; choose one of {', '.join(NORMS)}")
 
 
 class SmallCNN(nn.Module):
     """A compact CNN for 28x28 (or 32x32) images. It pools early because convolutions at full resolution dominate
     the cost on a CPU: about 3.7M multiply-adds per 28x28 image at width 16."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 16):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 16, norm: str = "batch"):
         super().__init__()
 
         def block(cin: int, cout: int) -> list[nn.Module]:
-            return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), static_bn2d(cout), nn.ReLU(inplace=True)]
+            return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), norm2d(cout, norm), nn.ReLU()]
 
         self.features = nn.Sequential(
             *block(in_channels, width),
@@ -45,11 +59,11 @@ class SmallCNN(nn.Module):
 
 
 class _WideBasic(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str = "batch"):
         super().__init__()
-        self.bn1 = static_bn2d(cin)
+        self.bn1 = norm2d(cin, norm)
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = static_bn2d(cout)
+        self.bn2 = norm2d(cout, norm)
         self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
         self.shortcut = None
         if stride != 1 or cin != cout:
@@ -67,7 +81,7 @@ class WideResNet(nn.Module):
     """WRN-depth-k (Zagoruyko & Komodakis); WRN-28-2 has about 1.47M parameters, the SemiFL paper's model."""
 
     def __init__(self, in_channels: int = 3, num_classes: int = 10, depth: int = 28, widen: int = 2,
-                 scale: float = 1.0):
+                 scale: float = 1.0, norm: str = "batch"):
         super().__init__()
         if (depth - 4) % 6 != 0:
             raise ValueError(f"WideResNet depth must be 6n+4, got {depth}")
@@ -81,10 +95,10 @@ class WideResNet(nn.Module):
         cin = widths[0]
         for stage, cout in enumerate(widths[1:]):
             for i in range(n):
-                layers.append(_WideBasic(cin, cout, stride=(2 if stage > 0 and i == 0 else 1)))
+                layers.append(_WideBasic(cin, cout, stride=(2 if stage > 0 and i == 0 else 1), norm=norm))
                 cin = cout
         self.blocks = nn.Sequential(*layers)
-        self.bn = static_bn2d(cin)
+        self.bn = norm2d(cin, norm)
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,12 +122,19 @@ class ModelSpec:
     std: list[float] = field(default_factory=lambda: [0.5])
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def norm(self) -> str:
+        return str(self.options.get("norm", "batch"))
+
     def build(self) -> nn.Module:
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown model option norm: {self.norm!r}; choose one of {', '.join(NORMS)}")
         if self.name == "small_cnn":
-            return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 16)))
+            return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 16)),
+                            norm=self.norm)
         if self.name == "wrn28_2":
             return WideResNet(self.in_channels, self.num_classes, depth=28, widen=int(self.options.get("widen", 2)),
-                              scale=float(self.options.get("scale", 1.0)))
+                              scale=float(self.options.get("scale", 1.0)), norm=self.norm)
         raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
 
     def scaled(self, factor: float) -> ModelSpec:

@@ -111,6 +111,8 @@ class HubApp:
             evaluate=self.evaluate if self.test is not None else None,
             seed=config.run.seed,
             privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
+            round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
+                                   if config.privacy.sample_dp.enabled else None),
         )
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
                                    version=getattr(silo_core, "__version__", "0.1.0"))

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
-from silo_core.models import MODELS
+from silo_core.models import MODELS, NORMS
 from silo_server.privacy import PrivacySection
 
 
@@ -83,6 +83,8 @@ class ModelSection(_Strict):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:
                 raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
+        if self.options.get("norm", "batch") not in NORMS:
+            raise ValueError(f"unknown options.norm {self.options['norm']!r}; choose one of {', '.join(NORMS)}")
         return self
 
 
@@ -166,6 +168,20 @@ class HubConfig(_Strict):
     security: SecuritySection = Field(default_factory=SecuritySection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     privacy: PrivacySection = Field(default_factory=PrivacySection)
+
+    @model_validator(mode="after")
+    def _sample_dp_fits(self) -> HubConfig:
+        if not self.privacy.sample_dp.enabled:
+            return self
+        entry = get_algorithm(self.algorithm.name)
+        if entry.silo is None or not entry.silo.supports_sample_dp:
+            able = [n for n, e in ALGORITHMS.items() if e.silo is not None and e.silo.supports_sample_dp]
+            raise ValueError(f"privacy.sample_dp is not available for algorithm {self.algorithm.name!r} yet; "
+                             f"it works with: {', '.join(able)}")
+        if self.model.options.get("norm", "batch") != "group":
+            raise ValueError("privacy.sample_dp needs model.options.norm: group (batch norm mixes the images of a "
+                             "batch, so one image's gradient cannot be clipped on its own)")
+        return self
 
 
 def _resolve_paths(node: Any, base: Path) -> None:

@@ -121,6 +121,7 @@ class Hub:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         seed: int = 0,
         privacy: HubPrivacy | None = None,
+        round_hyperparameters: dict[str, Any] | None = None,
     ):
         self.algorithm = algorithm
         self.state_dir = Path(state_dir)
@@ -138,6 +139,8 @@ class Hub:
         self.on_round = on_round
         self.seed = seed
         self.privacy = privacy if privacy is not None and privacy.enabled else None
+        # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
+        self.round_hyperparameters = dict(round_hyperparameters or {})
         self.stopped_reason = ""
 
         self.cond = threading.Condition()
@@ -445,7 +448,8 @@ class Hub:
             task = ActiveTask(
                 round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
-                hyperparameters_json=json.dumps(plan.hyperparameters), sampled=sampled,
+                hyperparameters_json=json.dumps({**plan.hyperparameters, **self.round_hyperparameters}),
+                sampled=sampled,
                 deadline=time.time() + self.deadline_s, expected=wire_specs(plan.expected, self.half_precision),
             )
             need = self._quorum_count(len(sampled))

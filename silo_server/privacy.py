@@ -36,6 +36,7 @@ from security.dp import (
 from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggParams
 from security.secagg.params import QuantizationRule
 from security.secagg.quantize import rule_for
+from silo_core.dp_sgd import SampleDPConfig
 from silo_core.tensors import TensorSpec
 
 log = logging.getLogger("silo_server")
@@ -52,9 +53,11 @@ class PrivacySection(BaseModel):
 
     secure_aggregation: SecAggParams = Field(default_factory=SecAggParams)
     dp: DPConfig = Field(default_factory=DPConfig)
+    sample_dp: SampleDPConfig = Field(default_factory=SampleDPConfig)
 
     @property
     def enabled(self) -> bool:
+        """Whether the hub's aggregation is private (sample_dp lives entirely in the silos' training)."""
         return self.secure_aggregation.enabled or self.dp.enabled
 
 

@@ -156,11 +156,13 @@ class SiloAlgorithm(ABC):
     trains_on_labeled: bool = False  # uses a site's labeled images (SiloData.labeled_images)
     trains_on_unlabeled: bool = True  # uses a site's unlabeled images (SiloData.images)
     needs_true_labels: bool = False  # simulation-only ceilings that train on the silos' true labels
+    supports_sample_dp: bool = False  # can train with DP-SGD (silo_core/dp_sgd.py) when the plan asks for it
 
     def __init__(self, options: Any, model_spec: ModelSpec, device: torch.device):
         self.options = options
         self.model_spec = model_spec
         self.device = device
+        self.sample_dp_ledgers: dict[str, Any] = {}  # (silo, run) -> SampleDPLedger, under privacy.sample_dp
 
     @abstractmethod
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult: ...

@@ -9,6 +9,7 @@ Algorithm 1, as this file runs it:
                 if D_fix is empty: send nothing
                 D_mix = |D_fix| draws with replacement from all pseudo-labeled images
                 E epochs of L_fix + lambda * L_mix on (D_fix, D_mix) batches
+                (under privacy.sample_dp: E epochs of DP-SGD on L_fix alone, see silo_core/dp_sgd.py)
                 send (W_m - W) * w_m and w_m   (w_m = 1: uniform averaging)
         hub:   mean delta = sum / sum of weights; global momentum step                (finish_round)
                W <- ServerUpdate(x_s, y_s, W); update sBN statistics
@@ -38,6 +39,7 @@ from silo_core.algorithms.base import (
     model_tensors,
 )
 from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_for
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     OptimizerSettings,
@@ -184,6 +186,7 @@ def mix_loss(logits: torch.Tensor, y_fix: torch.Tensor, y_partner: torch.Tensor,
 class SemiFLSilo(SiloAlgorithm):
     name = "semifl"
     options: SemiFLOptions
+    supports_sample_dp = True
 
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult:
         o, spec, device = self.options, self.model_spec, self.device
@@ -204,6 +207,8 @@ class SemiFLSilo(SiloAlgorithm):
 
         # (2) D_fix and an equal-size D_mix drawn with replacement from all pseudo-labeled images.
         x_fix, y_fix = data.images[confident], pseudo[confident]
+        if plan.hyperparameters.get("sample_dp"):
+            return self._private_update(plan, data, model, start, x_fix, y_fix, metrics)
         partner_idx = torch.randint(len(pseudo), (n_fix,), generator=gen)
         x_partner, y_partner = data.images[partner_idx], pseudo[partner_idx]
 
@@ -238,4 +243,32 @@ class SemiFLSilo(SiloAlgorithm):
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         metrics["train_loss"] = total_loss / max(steps, 1)
         metrics["train_steps"] = float(steps)
+        return SiloResult(tensors=tensors, metrics=metrics)
+
+    def _private_update(self, plan: RoundPlan, data: SiloData, model: nn.Module, start: dict[str, torch.Tensor],
+                        x_fix: torch.Tensor, y_fix: torch.Tensor, metrics: dict[str, float]) -> SiloResult:
+        """Step (3) under sample-level DP: E epochs of DP-SGD on L_fix (one strong view per confident image; no
+        Mixup, which would mix two people's images into one example). The silo's ledger is charged for every
+        scheduled step; a round that would overrun the silo's budget is skipped before any training."""
+        o, spec = self.options, self.model_spec
+        dp = SampleDPConfig.model_validate(plan.hyperparameters["sample_dp"])
+        ledger = ledger_for(self.sample_dp_ledgers, data.silo_id, data.run_id, data.state_dir, dp.delta)
+        rate, scheduled = dp_schedule(len(y_fix), o.silo_batch_size, o.local_epochs)
+        if not ledger.allows(dp.epsilon_budget, dp.noise_multiplier, rate, scheduled):
+            metrics.update(sample_dp_epsilon=ledger.epsilon(), sample_dp_budget_spent=1.0)
+            return SiloResult(tensors={}, metrics=metrics, skipped=True)
+
+        def strong_view(images: torch.Tensor) -> torch.Tensor:
+            return to_float(strong_augment(images, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
+                                           cutout=o.cutout, flip=o.flip), spec.mean, spec.std)
+
+        optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
+        loss, steps = dp_sgd_train(model, x_fix, y_fix, strong_view, epochs=o.local_epochs,
+                                   batch_size=o.silo_batch_size, optimizer=optimizer,
+                                   noise_multiplier=dp.noise_multiplier, clip_norm=dp.clip_norm, device=self.device)
+        metrics.update(train_loss=loss, train_steps=float(steps),
+                       sample_dp_epsilon=ledger.charge(dp.noise_multiplier, rate, scheduled))
+        # Weight 1 whatever `aggregation` says: a weight of |D_fix| would publish a count of this silo's images.
+        tensors = {f"delta/{n}": p.detach().cpu() - start[n].cpu() for n, p in model.named_parameters()}
+        tensors["weight"] = torch.tensor([1.0], dtype=torch.float32)
         return SiloResult(tensors=tensors, metrics=metrics)

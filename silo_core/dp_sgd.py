@@ -1,0 +1,161 @@
+"""Sample-level differential privacy at a silo: local training through Opacus' DP-SGD, with the silo's own ledger.
+
+Client-level DP (security/dp.py) protects a whole silo in the hub's sums. Sample-level DP protects one image of
+a silo's own data inside everything the silo sends: every local step clips each example's gradient to
+`clip_norm`, adds Gaussian noise of std `noise_multiplier * clip_norm` to their sum, and draws its batch by
+Poisson sampling (each example in with probability q = batch_size / n), which is what the accountant assumes.
+
+What each example contributes must depend on that example alone, so:
+- the model must use group norm (batch norm mixes the examples of a batch): hub.yaml `model.options.norm: group`;
+- an algorithm trains on one view per example with plain cross-entropy (SemiFL: L_fix on the strong view of the
+  confident images; Mixup pairs two people's images, so L_mix is left out under sample-level DP).
+
+The silo keeps its own accountant per run (a JSON file in its state folder, so a restarted silo goes on counting)
+and reports epsilon at `delta` after every round. With `epsilon_budget` set, a silo whose next round would exceed
+it trains no more and tells the hub it skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+log = logging.getLogger("silo_core.dp_sgd")
+
+
+class SampleDPConfig(BaseModel):
+    """hub.yaml `privacy.sample_dp`: DP-SGD in every silo's local training (off by default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="train at every silo with DP-SGD (needs model.options.norm: group)")
+    noise_multiplier: float = Field(1.0, gt=0, description="sigma: noise std on a batch's gradient sum is "
+                                    "sigma * clip_norm")
+    clip_norm: float = Field(1.0, gt=0, description="C: L2 bound on one example's gradient")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta at which each silo reports its epsilon")
+    epsilon_budget: float | None = Field(None, gt=0, description="a silo stops training before its own epsilon "
+                                         "would exceed this")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What travels to the silos in the task's hyperparameters."""
+        return {"noise_multiplier": self.noise_multiplier, "clip_norm": self.clip_norm, "delta": self.delta,
+                "epsilon_budget": self.epsilon_budget}
+
+
+class SampleDPLedger:
+    """One silo's sample-level privacy spending in one run, kept on disk when the silo has a state folder."""
+
+    def __init__(self, delta: float, path: Path | None = None):
+        from security.dp import PrivacyAccountant
+
+        self.path = path
+        self.accountant = PrivacyAccountant("rdp", delta)
+        if path is not None and path.is_file():
+            try:
+                self.accountant = PrivacyAccountant.from_json(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError) as err:
+                # Never guess at privacy spent: a damaged ledger stops the silo with the file named.
+                raise ValueError(f"sample-level DP ledger {path} is damaged ({err}); restore it from a backup. "
+                                 "Deleting it would forget the privacy this silo has already spent") from None
+            self.accountant.delta = delta
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon()
+
+    def allows(self, budget: float | None, noise_multiplier: float, sample_rate: float, steps: int) -> bool:
+        return budget is None or self.accountant.epsilon_after(noise_multiplier, sample_rate, steps) <= budget
+
+    def charge(self, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+        self.accountant.step(noise_multiplier, sample_rate, steps)
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.accountant.to_json()))
+            os.replace(tmp, self.path)  # a crash leaves the old ledger or the new one, never half of one
+        return self.epsilon()
+
+
+def ledger_for(ledgers: dict[str, SampleDPLedger], silo_id: str, run_id: str, state_dir: Path | None,
+               delta: float) -> SampleDPLedger:
+    """The ledger of (silo, run), loaded once per process from the silo's state folder."""
+    key = f"{silo_id}/{run_id}"
+    if key not in ledgers:
+        path = None
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            path = state_dir / f"sample_dp_ledger-{run_id or 'default'}.json"
+        ledgers[key] = SampleDPLedger(delta, path)
+    return ledgers[key]
+
+
+def dp_schedule(num_examples: int, batch_size: int, epochs: int) -> tuple[float, int]:
+    """(sampling rate q, steps) of `epochs` passes over `num_examples` in expected batches of `batch_size`."""
+    q = min(1.0, batch_size / max(num_examples, 1))
+    return q, epochs * math.ceil(1.0 / q)
+
+
+def dp_sgd_train(
+    model: nn.Module,
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    view: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    epochs: int,
+    batch_size: int,
+    optimizer: torch.optim.Optimizer,
+    noise_multiplier: float,
+    clip_norm: float,
+    device: torch.device,
+) -> tuple[float, int]:
+    """`epochs` of DP-SGD on cross-entropy(model(view(images[i])), targets[i]) through Opacus' PrivacyEngine.
+    `view` maps a uint8 batch to the model's float input (the augmentation). Returns (mean loss, steps taken);
+    the caller charges its ledger with dp_schedule(), which counts every scheduled step."""
+    from opacus import PrivacyEngine
+    from opacus.validators import ModuleValidator
+
+    model.train()
+    problems = ModuleValidator.validate(model, strict=False)
+    if problems:
+        raise ValueError(f"this model cannot be trained with per-sample gradients: {problems[0]}; set hub.yaml "
+                         "model.options.norm: group for privacy.sample_dp")
+    # The batch draws and the noise must be secret from everyone, the hub included: both come from generators
+    # seeded by the OS's CSPRNG, never from the run's seed (which the hub chose and knows).
+    sampling = torch.Generator().manual_seed(secrets.randbits(63))
+    noise = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+    indices = TensorDataset(torch.arange(len(images)))
+    loader = DataLoader(indices, batch_size=batch_size, generator=sampling)
+    with warnings.catch_warnings():  # "Secure RNG turned off": our generators are seeded from the OS CSPRNG
+        warnings.simplefilter("ignore", UserWarning)
+        engine = PrivacyEngine(accountant="rdp")
+    private_model, private_optimizer, private_loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
+        max_grad_norm=clip_norm, poisson_sampling=True, noise_generator=noise,
+    )
+    private_model.train()
+    # Opacus' hooks on the first layer fire with no input gradient (images need none): harmless, and said each step.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+    total, steps = 0.0, 0
+    for _ in range(epochs):
+        for (idx,) in private_loader:
+            if len(idx) == 0:  # an empty Poisson draw: nothing to step on (the ledger still counts it)
+                continue
+            x = view(images[idx]).to(device)
+            loss = F.cross_entropy(private_model(x), targets[idx].to(device))
+            private_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            private_optimizer.step()
+            total, steps = total + loss.item(), steps + 1
+    private_model.remove_hooks()
+    return total / max(steps, 1), steps
