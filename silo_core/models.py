@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 NORMS = ("batch", "group")
 
 
