@@ -177,6 +177,25 @@ def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def previous_cells(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    previous = json.loads(path.read_text())
+    if previous.get("profile_settings") != settings:
+        print(f"{path}: earlier cells were run with other settings; starting afresh", flush=True)
+        return []
+    return list(previous.get("cells", []))
+
+
+def save_results(path: Path, profile: str, settings: dict[str, Any], info: dict[str, Any], unavailable: list[str],
+                 cells: list[dict[str, Any]]) -> None:
+    results = {"profile": profile, "profile_settings": settings, "machine": info, "unavailable_methods": unavailable,
+               "cells": cells}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
@@ -186,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="*", help="subset of methods")
     p.add_argument("--partitions", nargs="*", choices=list(PARTITIONS))
     p.add_argument("--rounds", type=int, help="override the profile's rounds")
+    p.add_argument("--seeds", type=int, nargs="*", help="override the profile's seeds (every partition)")
+    p.add_argument("--fresh", action="store_true", help="ignore cells already in the output's results.json")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
@@ -193,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = PROFILES[args.profile]
     if args.rounds:
         profile.rounds = args.rounds
+    if args.seeds:
+        profile.seeds = profile.headline_seeds = list(args.seeds)
     out = args.out or ROOT / "bench" / "quality" / "results" / args.profile
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
@@ -205,18 +228,24 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = [m for m in methods if m not in ALGORITHMS]
     methods = [m for m in methods if m in ALGORITHMS]
     partitions = args.partitions or profile.partitions
-    cells, info = [], machine()
+    info = machine()
+    # A long run keeps every finished cell: results.json is rewritten after each one, and a rerun with the same
+    # profile settings picks up where it stopped (cells from other settings are dropped, never mixed in).
+    settings = json.loads(json.dumps(profile.__dict__, default=str))
+    cells = [] if args.fresh else previous_cells(out / "results.json", settings)
     for part in partitions:
         for method in methods:
             seeds = profile.headline_seeds if part == "iid" else profile.seeds
             for seed in seeds:
+                if any((c["method"], c["partition"], c["seed"]) == (method, part, seed) for c in cells):
+                    continue
                 cell = run_cell(method, part, seed, profile, train, test, device)
+                cell["machine"] = info
                 cells.append(cell)
                 print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
                       f"({cell['seconds']:.0f}s)", flush=True)
-    results = {"profile": args.profile, "profile_settings": profile.__dict__, "machine": info,
-               "unavailable_methods": unavailable, "cells": cells}
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+                save_results(out / "results.json", args.profile, settings, info, unavailable, cells)
+    save_results(out / "results.json", args.profile, settings, info, unavailable, cells)
     table = markdown_table(cells, args.profile, info)
     if unavailable:
         table += f"\nNot yet available in this build: {', '.join(unavailable)}.\n"

@@ -13,10 +13,11 @@ DATA = ROOT.parent / "shared" / "data"
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
 def test_tiny_profile_writes_results_table_and_curves(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
-                           "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2"],
-                          capture_output=True, text=True, timeout=600)
+    command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+               "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("seed 0:") == 2
     results = json.loads((tmp_path / "results.json").read_text())
     cells = {c["method"]: c for c in results["cells"]}
     assert set(cells) == {"server-only", "semifl"}
@@ -27,3 +28,8 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| semifl |" in table and "| server-only |" in table
     assert (tmp_path / "curves.png").stat().st_size > 5000
+
+    # A rerun with the same settings keeps the finished cells instead of training them again.
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "seed 0:" not in again.stdout, again.stderr[-3000:]
+    assert json.loads((tmp_path / "results.json").read_text())["cells"] == results["cells"]
