@@ -3,6 +3,7 @@
     python bench/privacy/run.py secagg                  # 10, 50, 100 silos x WRN-28-2's 1.47M parameters
     python bench/privacy/run.py dp                      # SemiFL on the bundled data at a few epsilons
     python bench/privacy/run.py secagg --silos 10 --dropout 0.1
+    python bench/privacy/run.py sample-dp               # SemiFL with DP-SGD at every silo, a few noise levels
 
 secagg: the deployment's SecAgg+ objects driven in one process (security/secagg/inprocess.py): every byte that
 would cross the wire is produced and consumed, only transport is skipped. Per-silo time is the sum of that
@@ -13,7 +14,12 @@ dp: SemiFL's hub and silo halves in-process with the deployment's privacy pipeli
 Gaussian noise, fixed-point, masks; hub: unmask, accountant), the noise multiplier chosen so that the planned rounds
 spend exactly the target epsilon (RDP, delta 1e-5), compared with no DP and with the hub's labels alone.
 
-Writes bench/privacy/results/{secagg,dp}.{json,md}.
+sample-dp: sample-level DP (privacy.sample_dp): the silos train with DP-SGD through Opacus on a group-norm model;
+for each noise multiplier the table gives the largest epsilon any silo spent and the accuracy, next to the same
+group-norm model without DP and the hub's labels alone. Settings are the silo-sim demo's (4 silos holding the
+bundled training images, every silo in every round).
+
+Writes bench/privacy/results/{secagg,dp,sample_dp}.{json,md}.
 """
 
 from __future__ import annotations
@@ -263,9 +269,84 @@ def remake_dp_markdown(path: Path) -> str:
     return dp_markdown(data["cells"], args, data["machine"])
 
 
+# ------------------------------------------------------------------------------------------------ sample-level DP
+class WithSampleDP:
+    """A hub half whose plans ask the silos for DP-SGD, as the hub core does for hub.yaml privacy.sample_dp."""
+
+    def __init__(self, hub, settings: dict[str, Any]):
+        self.hub, self.settings = hub, settings
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hub, name)
+
+    def begin_round(self, state):
+        plan = self.hub.begin_round(state)
+        plan.hyperparameters["sample_dp"] = dict(self.settings)
+        return plan
+
+
+def bench_sample_dp(args) -> list[dict[str, Any]]:
+    from silo_core.algorithms import get_algorithm
+    from silo_core.algorithms.base import HubData, SiloData
+    from silo_core.data import load_demo
+    from silo_core.partition import make_partition, split_labeled_per_class
+    from silo_core.training import evaluate, resolve_device
+    from silo_sim.cli import DEMO_OPTIONS
+    from silo_sim.inprocess import run_inprocess
+
+    device = resolve_device(args.device)
+    train, test = load_demo("train"), load_demo("test")
+    hub_idx, rest = split_labeled_per_class(train.labels.numpy(), args.labels_per_class, args.seed)
+    parts = [rest[p] for p in make_partition(train.labels.numpy()[rest], args.silos, "iid", args.seed)]
+    spec = ModelSpec(num_classes=len(train.classes), options={"norm": "group"})
+    cells = []
+    for sigma in ["server-only", "none", *args.noise_multipliers]:
+        method = "server-only" if sigma == "server-only" else "semifl"
+        entry = get_algorithm(method)
+        options = entry.options.model_validate({k: v for k, v in DEMO_OPTIONS["semifl"].items()
+                                                if k in entry.options.model_fields})
+        torch.manual_seed(args.seed)
+        hub = entry.hub(options, spec, HubData(train.images[hub_idx], train.labels[hub_idx]), device, args.seed,
+                        args.rounds)
+        silo = entry.silo(options, spec, device) if entry.silo is not None else None
+        if sigma not in ("server-only", "none"):
+            hub = WithSampleDP(hub, {"noise_multiplier": float(sigma), "clip_norm": args.clip_norm, "delta": 1e-5,
+                                     "epsilon_budget": None})
+        silos = [SiloData(images=train.images[idx], true_labels=train.labels[idx], silo_id=f"silo-{i:03d}")
+                 for i, idx in enumerate(parts)]
+        started = time.time()
+        _, history = run_inprocess(hub, silo, silos, args.rounds, 1.0, args.seed,
+                                   lambda st, h=hub: evaluate(h.served_model(st), test.images, test.labels,
+                                                              spec.mean, spec.std, device))
+        ledgers = list(silo.sample_dp_ledgers.values()) if silo is not None else []
+        epsilon = max((ledger.epsilon() for ledger in ledgers), default=None)
+        cells.append({"setting": sigma, "noise_multiplier": None if sigma in ("server-only", "none") else float(sigma),
+                      "max_silo_epsilon": epsilon, "final_accuracy": history[-1]["test_accuracy"],
+                      "accuracy_per_round": [h["test_accuracy"] for h in history], "seconds": time.time() - started})
+        print(f"  sample-dp {sigma}: accuracy {history[-1]['test_accuracy']:.4f}"
+              + (f", largest silo epsilon {epsilon:.2f}" if epsilon else ""), flush=True)
+    return cells
+
+
+def sample_dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
+    lines = [
+        f"Sample-level DP cost: SemiFL on the bundled Fashion-MNIST subset ({args.labels_per_class} labels per class "
+        f"at the hub, {args.silos} IID silos, all in every round, {args.rounds} rounds, the silo-sim demo's options), "
+        f"small_cnn with group norm, DP-SGD at every silo with per-image clip C = {args.clip_norm}, delta 1e-5 (RDP, "
+        f"each silo's own ledger). Machine: {info['platform']}, {info['cpu_count']} CPUs. One seed.", "",
+        "| setting | noise multiplier sigma | largest epsilon of a silo | test accuracy (%) |", "|---|---|---|---|"]
+    for c in cells:
+        name = {"server-only": "hub labels only (server-only)", "none": "SemiFL, group norm, no DP"}.get(
+            c["setting"], "SemiFL + DP-SGD at the silos")
+        sigma = "-" if c["noise_multiplier"] is None else f"{c['noise_multiplier']:g}"
+        eps = "-" if c["max_silo_epsilon"] is None else f"{c['max_silo_epsilon']:.2f}"
+        lines.append(f"| {name} | {sigma} | {eps} | {100 * c['final_accuracy']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["secagg", "dp", "all", "dp-table"])
+    p.add_argument("what", choices=["secagg", "dp", "all", "dp-table", "sample-dp"])
     p.add_argument("--silos-list", "--silos-counts", dest="silo_counts", type=int, nargs="*", default=[10, 50, 100])
     p.add_argument("--dropout", type=float, default=0.05, help="secagg: also run with this fraction dropped")
     p.add_argument("--complete-graph", action="store_true", help="secagg: also run Bonawitz's complete graph")
@@ -274,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--silos", type=int, default=20, help="dp: silos enrolled")
     p.add_argument("--sample-rate", type=float, default=0.5)
     p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--noise-multipliers", nargs="*", default=["0.6", "1.0", "2.0"], help="sample-dp: sigma values")
     p.add_argument("--labels-per-class", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -295,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "secagg.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         (args.out / "secagg.md").write_text(secagg_markdown(rows, info))
         print(secagg_markdown(rows, info))
+    if args.what == "sample-dp":
+        cells = bench_sample_dp(args)
+        (args.out / "sample_dp.json").write_text(json.dumps({"machine": info, "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out",)}, "cells": cells}, indent=1, default=str))
+        (args.out / "sample_dp.md").write_text(sample_dp_markdown(cells, args, info))
+        print(sample_dp_markdown(cells, args, info))
     if args.what in ("dp", "all"):
         cells = bench_dp(args)
         (args.out / "dp.json").write_text(json.dumps({"machine": info, "settings": {

@@ -108,7 +108,7 @@ def bench_overhead(rounds: int = 4, silos: int = 4) -> dict[str, Any]:
         for d in sorted((work / "silos").iterdir()):
             images = load_unlabeled_folder(d / "images", 28, 1)
             silo_data.append(SiloData(images=images.images, silo_id=d.name))
-        opts = SemiFLOptions.model_validate(DEMO_OPTIONS)
+        opts = SemiFLOptions.model_validate(DEMO_OPTIONS["semifl"])
         spec = ModelSpec(num_classes=10)
         hub = SemiFLHub(opts, spec, HubData(labeled.images, labeled.labels), torch.device("cpu"), 0, rounds)
         test = load_labeled_folder(work / "hub" / "test", 28, 1)
