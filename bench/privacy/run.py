@@ -297,14 +297,15 @@ def bench_sample_dp(args) -> list[dict[str, Any]]:
     device = resolve_device(args.device)
     train, test = load_demo("train"), load_demo("test")
     hub_idx, rest = split_labeled_per_class(train.labels.numpy(), args.labels_per_class, args.seed)
+    rest = rest[: args.silo_images] if args.silo_images else rest
     parts = [rest[p] for p in make_partition(train.labels.numpy()[rest], args.silos, "iid", args.seed)]
     spec = ModelSpec(num_classes=len(train.classes), options={"norm": "group"})
     cells = []
     for sigma in ["server-only", "none", *args.noise_multipliers]:
         method = "server-only" if sigma == "server-only" else "semifl"
         entry = get_algorithm(method)
-        options = entry.options.model_validate({k: v for k, v in DEMO_OPTIONS["semifl"].items()
-                                                if k in entry.options.model_fields})
+        chosen = {**DEMO_OPTIONS["semifl"], **({"tau": args.tau} if args.tau is not None else {})}
+        options = entry.options.model_validate({k: v for k, v in chosen.items() if k in entry.options.model_fields})
         torch.manual_seed(args.seed)
         hub = entry.hub(options, spec, HubData(train.images[hub_idx], train.labels[hub_idx]), device, args.seed,
                         args.rounds)
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--silos", type=int, default=20, help="dp: silos enrolled")
     p.add_argument("--sample-rate", type=float, default=0.5)
     p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--silo-images", type=int, help="sample-dp: use only this many of the silos' images")
+    p.add_argument("--tau", type=float, help="sample-dp: SemiFL's threshold (default: the demo's)")
     p.add_argument("--noise-multipliers", nargs="*", default=["0.6", "1.0", "2.0"], help="sample-dp: sigma values")
     p.add_argument("--labels-per-class", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)

@@ -2,6 +2,7 @@
 produced by `python bench/privacy/run.py secagg`, not by the suite)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,3 +26,18 @@ def test_secagg_bench_tiny_profile():
         assert r["max_abs_error_checked"] < r["contributors"] * 2 * 1024 / (2**20 - 1)
     assert rows[1]["contributors"] == 3
     assert bench.noise_for_epsilon(8.0, rounds=10, sample_rate=0.5) > 0.5
+
+
+def test_sample_dp_bench_tiny_run(tmp_path):
+    """One round, 2 silos: the harness trains with DP-SGD, reads each silo's ledger and writes its table."""
+    bench = load_bench()
+    assert bench.main(["sample-dp", "--rounds", "1", "--silos", "2", "--noise-multipliers", "1.0", "--tau", "0.0", "--silo-images", "200",
+                       "--threads", "1",
+                       "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "sample_dp.json").read_text())
+    cells = {c["setting"]: c for c in data["cells"]}
+    assert set(cells) == {"server-only", "none", "1.0"}
+    assert cells["server-only"]["max_silo_epsilon"] is None and cells["none"]["max_silo_epsilon"] is None
+    assert cells["1.0"]["max_silo_epsilon"] > 0
+    assert all(0.1 < c["final_accuracy"] <= 1 for c in cells.values())
+    assert "| SemiFL + DP-SGD at the silos | 1 |" in (tmp_path / "sample_dp.md").read_text()
