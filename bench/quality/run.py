@@ -112,7 +112,10 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         round_counter["n"] += 1
         if round_counter["n"] % profile.eval_every and round_counter["n"] != profile.rounds:
             return {}
-        return evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
+        result = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
+        print(f"    {partition} {method} seed {seed} round {round_counter['n']}: {100 * result['accuracy']:.2f}%",
+              flush=True)
+        return result
 
     started = time.time()
     _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
