@@ -53,10 +53,19 @@ class Profile:
     seeds: list[int]
     headline_seeds: list[int]
     eval_every: int
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # every method, where it has the option
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method, over `options`
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     partitions: list[str] = field(default_factory=lambda: list(PARTITIONS))
 
+
+# What gives FedSEAL, FedAvg+FixMatch and HASSLE SemiFL's optimiser and hub budget (see the full profile).
+SAME_BUDGET: dict[str, dict[str, Any]] = {
+    "fedseal": {"lr": 0.03, "lr_schedule": "cosine"},
+    "fedavg-fixmatch": {"init_epochs": 5},
+    "hassle": {"lr": 0.03, "lr_schedule": "cosine", "batch_size": 32, "hub_warmup_epochs": 5, "hub_epochs": 5,
+               "hub_batch_size": 16},
+}
 
 PROFILES = {
     # A few seconds: proves the harness runs end to end (the test suite runs this).
@@ -67,14 +76,19 @@ PROFILES = {
     # About 10 minutes on 2 CPU cores: a smoke check of the whole table, not the headline numbers.
     "quick": Profile(rounds=6, num_silos=20, silos_per_round=0.2, unlabeled_limit=6000, test_limit=2000, seeds=[0],
                      headline_seeds=[0], eval_every=2,
-                     options={"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16}),
+                     options={"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16},
+                     method_options={m: {**o, **({"hub_warmup_epochs": 2, "hub_epochs": 2} if m == "hassle" else {})}
+                                     for m, o in SAME_BUDGET.items()}),
     # The real table: 100 silos, 10% per round, every training image not held by the hub; several seeds for the
-    # headline row. Each method keeps its paper's settings except the silos' schedule, shortened for CPUs (2 local
-    # epochs in batches of 32 instead of 5 in batches of 10: about a third of the time per round, and no
-    # worse after 20 SemiFL rounds: 74.4% vs 73.7%, see bench/README.md).
+    # headline row. One training budget for every method, SemiFL's (SGD lr 0.03 with a cosine schedule over the
+    # run, 5 hub epochs on the labels before round 1 and in every round, 2 local epochs in batches of 32; the
+    # papers' 5 local epochs in batches of 10 cost three times as much per round on a CPU and did no better
+    # after 20 SemiFL rounds: 73.7% vs 74.4%, see bench/README.md). The papers' own values for FedSEAL (lr 0.001)
+    # and HASSLE (lr 0.1, batches of 128, no warm-up) were set for other models and optimisers.
     "full": Profile(rounds=200, num_silos=100, silos_per_round=0.1, unlabeled_limit=None, test_limit=None,
                     seeds=[0], headline_seeds=[0, 1, 2], eval_every=10,
-                    options={"local_epochs": 2, "silo_batch_size": 32, "hub_batch_size": 16}),
+                    options={"local_epochs": 2, "silo_batch_size": 32, "hub_batch_size": 16},
+                    method_options=SAME_BUDGET),
 }
 
 
@@ -84,10 +98,17 @@ def split_data(train_labels: np.ndarray, seed: int, labels_per_class: int = 25, 
     return hub_idx, rest[val_local], rest[rest_local]
 
 
+def cell_options(method: str, profile: Profile) -> dict[str, Any]:
+    """Every option the method runs with in this profile (its defaults where the profile says nothing)."""
+    entry = get_algorithm(method)
+    chosen = {**profile.options, **profile.method_options.get(method, {})}
+    return entry.options.model_validate({k: v for k, v in chosen.items() if k in entry.options.model_fields}
+                                        ).model_dump(mode="json")
+
+
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device) -> dict[str, Any]:
     entry = get_algorithm(method)
-    options = entry.options.model_validate({k: v for k, v in profile.options.items()
-                                            if k in entry.options.model_fields})
+    options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
     hub_idx, val_idx, rest = split_data(labels, seed)
     rng = np.random.default_rng(seed)
@@ -121,7 +142,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
     _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
     final = history[-1]
     return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
-            "seconds": time.time() - started, "history": history}
+            "seconds": time.time() - started, "options": cell_options(method, profile), "history": history}
 
 
 def machine() -> dict[str, Any]:
@@ -188,7 +209,10 @@ def previous_cells(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]
     if not path.exists():
         return []
     previous = json.loads(path.read_text())
-    if previous.get("profile_settings") != settings:
+    cell_identity = ("options", "method_options", "methods", "partitions", "seeds", "headline_seeds")
+    same = {k: v for k, v in previous.get("profile_settings", {}).items() if k not in cell_identity} == {
+        k: v for k, v in settings.items() if k not in cell_identity}
+    if not same:
         print(f"{path}: earlier cells were run with other settings; starting afresh", flush=True)
         return []
     return list(previous.get("cells", []))
@@ -236,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m for m in methods if m in ALGORITHMS]
     partitions = args.partitions or profile.partitions
     info = machine()
-    # A long run keeps every finished cell: results.json is rewritten after each one, and a rerun with the same
-    # profile settings picks up where it stopped (cells from other settings are dropped, never mixed in).
+    # A long run keeps every finished cell: results.json is rewritten after each one, and a rerun picks up where it
+    # stopped. A cell is kept only if it ran with the same setting (rounds, silos, data) and the same options;
+    # anything else is dropped, never mixed in.
     settings = json.loads(json.dumps(profile.__dict__, default=str))
     cells = [] if args.fresh else previous_cells(out / "results.json", settings)
+    cells = [c for c in cells if c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)]
     for part in partitions:
         for method in methods:
             seeds = profile.headline_seeds if part == "iid" else profile.seeds
