@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
-from silo_core.models import ModelSpec  # noqa: E402
+from silo_core.models import MODELS, ModelSpec  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
 from silo_sim.inprocess import run_inprocess  # noqa: E402
@@ -106,7 +106,8 @@ def cell_options(method: str, profile: Profile) -> dict[str, Any]:
                                         ).model_dump(mode="json")
 
 
-def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device) -> dict[str, Any]:
+def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
+             model: str = "small_cnn") -> dict[str, Any]:
     entry = get_algorithm(method)
     options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
@@ -117,7 +118,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         rest = rest[: profile.unlabeled_limit]
     parts = make_partition(labels[rest], profile.num_silos, PARTITIONS[partition]["scheme"], seed,
                            **{k: v for k, v in PARTITIONS[partition].items() if k != "scheme"})
-    spec = ModelSpec(num_classes=len(train.classes))
+    spec = ModelSpec(name=model, num_classes=len(train.classes))
     hub_data = HubData(train.images[hub_idx], train.labels[hub_idx], train.images[val_idx], train.labels[val_idx])
     torch.manual_seed(seed)
     hub = entry.hub(options, spec, hub_data, device, seed, profile.rounds)
@@ -142,7 +143,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
     _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
     final = history[-1]
     return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
-            "seconds": time.time() - started, "options": cell_options(method, profile), "history": history}
+            "seconds": time.time() - started, "options": cell_options(method, profile), "model": model, "history": history}
 
 
 def machine() -> dict[str, Any]:
@@ -238,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="override the profile's rounds")
     p.add_argument("--seeds", type=int, nargs="*", help="override the profile's seeds (every partition)")
     p.add_argument("--fresh", action="store_true", help="ignore cells already in the output's results.json")
+    p.add_argument("--model", choices=list(MODELS), default="small_cnn",
+                   help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
@@ -265,14 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     # anything else is dropped, never mixed in.
     settings = json.loads(json.dumps(profile.__dict__, default=str))
     cells = [] if args.fresh else previous_cells(out / "results.json", settings)
-    cells = [c for c in cells if c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)]
+    cells = [c for c in cells if c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)
+             and c.get("model", "small_cnn") == args.model]
     for part in partitions:
         for method in methods:
             seeds = profile.headline_seeds if part == "iid" else profile.seeds
             for seed in seeds:
                 if any((c["method"], c["partition"], c["seed"]) == (method, part, seed) for c in cells):
                     continue
-                cell = run_cell(method, part, seed, profile, train, test, device)
+                cell = run_cell(method, part, seed, profile, train, test, device, args.model)
                 cell["machine"] = info
                 cells.append(cell)
                 print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
