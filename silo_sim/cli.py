@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
+    p.add_argument("--hub-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="set any hub.yaml key (YAML value), e.g. privacy.secure_aggregation.enabled=true; repeatable")
     p.add_argument("--model", choices=["small_cnn", "wrn28_2"], default="small_cnn",
                    help="network (both take the demo's 28x28 grayscale images)")
     p.add_argument("--half-precision", action="store_true", help="send the model to silos as float16")
@@ -109,6 +112,27 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+def apply_hub_settings(config: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
+    """--hub-set privacy.dp.enabled=true: set one hub.yaml key (a dotted path) to a YAML value, in place.
+    The result is checked like a hub.yaml, so a typo fails here with the key named."""
+    from silo_server.config import parse_config
+
+    for pair in pairs:
+        path, sep, raw = pair.partition("=")
+        keys = path.split(".")
+        if not sep or len(keys) < 2 or not all(keys):
+            raise ValueError(f"--hub-set {pair!r} must look like SECTION.KEY=VALUE, e.g. "
+                             "privacy.secure_aggregation.enabled=true")
+        node = config
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--hub-set {path}: {key} is a value, not a section")
+        node[keys[-1]] = yaml.safe_load(raw)
+    parse_config({**config, "data": {"labeled": {"kind": "demo"}}}, source="--hub-set")
+    return config
 
 
 def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
@@ -235,7 +259,7 @@ def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
 
 
 def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
-                         model: str = "small_cnn") -> dict[str, Any]:
+                         model: str = "small_cnn", model_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
     import torch
 
@@ -248,7 +272,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     torch.set_num_threads(os.cpu_count() or 2)
     labeled = load_labeled_folder(staged.root / "hub" / "labeled", 28, 1)
     test = load_labeled_folder(staged.root / "hub" / "test", 28, 1)
-    spec = ModelSpec(name=model, num_classes=len(labeled.classes))
+    spec = ModelSpec(name=model, num_classes=len(labeled.classes), options=dict(model_options or {}))
     # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
     opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
     dev = resolve_device(device)
@@ -319,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
                        "quorum": 0.5, "deadline_s": 900},
         }
+        apply_hub_settings(hub_config, args.hub_set)
         extra = {"test_per_class": args.test_per_class, "validation_per_class": args.validation_per_class if entry.hub.needs_validation else None,
                  "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class}
         if args.export_demo:
@@ -347,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
-            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model)
+            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model,
+                                            hub_config["model"].get("options"))
         console.print(summary_table(history, baseline, args.algorithm))
         final = history[-1] if history else {}
         if baseline and final:

@@ -1,0 +1,28 @@
+"""silo-sim --hub-set: any hub.yaml key from the command line, checked like a hub.yaml."""
+
+import pytest
+
+from silo_sim.cli import apply_hub_settings
+
+
+def test_dotted_keys_set_yaml_values_in_nested_sections():
+    config = {"algorithm": {"name": "semifl", "options": {}}, "model": {"name": "small_cnn"}}
+    apply_hub_settings(config, ["privacy.secure_aggregation.enabled=true", "model.options.norm=group",
+                                "privacy.sample_dp.enabled=yes", "privacy.sample_dp.noise_multiplier=0.8",
+                                "privacy.dp.clip_tensors=[delta/]"])
+    assert config["privacy"]["secure_aggregation"] == {"enabled": True}
+    assert config["privacy"]["sample_dp"] == {"enabled": True, "noise_multiplier": 0.8}
+    assert config["model"] == {"name": "small_cnn", "options": {"norm": "group"}}
+    assert config["privacy"]["dp"]["clip_tensors"] == ["delta/"]
+
+
+@pytest.mark.parametrize("pair, message", [
+    ("privacy.dp.enabeld=true", "unknown key 'privacy.dp.enabeld'"),
+    ("privacy=true", "must look like SECTION.KEY=VALUE"),
+    ("rounds.total", "must look like SECTION.KEY=VALUE"),
+    ("algorithm.name.x=1", "name is a value, not a section"),
+    ("privacy.sample_dp.enabled=true", "model.options.norm: group"),
+])
+def test_bad_settings_fail_before_anything_starts_with_the_key_named(pair, message):
+    with pytest.raises(ValueError, match=message):
+        apply_hub_settings({"algorithm": {"name": "semifl", "options": {}}}, [pair])
