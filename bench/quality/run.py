@@ -182,20 +182,22 @@ def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
+    colour = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one colour per method in both panels
     fig, axes = plt.subplots(2, len(partitions), figsize=(5 * len(partitions), 7), squeeze=False)
     for col, p in enumerate(partitions):
         for c in cells:
             if c["partition"] != p or c["seed"] != cells[0]["seed"]:
                 continue
             pts = [(h["round"], h["test_accuracy"]) for h in c["history"] if "test_accuracy" in h]
-            axes[0][col].plot(*zip(*pts, strict=True), marker=".", label=c["method"])
+            axes[0][col].plot(*zip(*pts, strict=True), marker=".", label=c["method"], color=colour[c["method"]])
             pl = [(h["round"], h.get("pseudo_label_accuracy"), h.get("pseudo_label_ratio")) for h in c["history"]
                   if "pseudo_label_ratio" in h]
             if pl:
                 rounds = [r for r, _, _ in pl]
                 axes[1][col].plot(rounds, [a if a is not None else float("nan") for _, a, _ in pl],
-                                  label=f"{c['method']} PL acc")
-                axes[1][col].plot(rounds, [r for _, _, r in pl], linestyle="--", label=f"{c['method']} PL ratio")
+                                  label=f"{c['method']} PL acc", color=colour[c["method"]])
+                axes[1][col].plot(rounds, [r for _, _, r in pl], linestyle="--", label=f"{c['method']} PL ratio",
+                                  color=colour[c["method"]])
         axes[0][col].set_title(f"test accuracy, {p}")
         axes[1][col].set_title(f"pseudo-labels, {p}")
         for ax in axes[:, col]:
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="override the profile's rounds")
     p.add_argument("--seeds", type=int, nargs="*", help="override the profile's seeds (every partition)")
     p.add_argument("--fresh", action="store_true", help="ignore cells already in the output's results.json")
+    p.add_argument("--replot", action="store_true", help="only redraw table.md and curves.png from results.json")
     p.add_argument("--model", choices=list(MODELS), default="small_cnn",
                    help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
     p.add_argument("--device", default="auto")
@@ -252,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         profile.seeds = profile.headline_seeds = list(args.seeds)
     out = args.out or ROOT / "bench" / "quality" / "results" / args.profile
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        saved = json.loads((out / "results.json").read_text())
+        (out / "table.md").write_text(markdown_table(saved["cells"], saved["profile"], saved["machine"]))
+        plot_curves(saved["cells"], out / "curves.png")
+        return 0
     device = resolve_device(args.device)
     train = load_torchvision("FashionMNIST", args.data_root, True, 28, 1)
     test = load_torchvision("FashionMNIST", args.data_root, False, 28, 1)
