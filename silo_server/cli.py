@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import sys
 
@@ -25,8 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def return_large_buffers_to_the_os() -> None:
+    """glibc raises its mmap threshold after the first large free, so later multi-MB uploads come from per-thread
+    heaps that keep their freed memory: the hub's RSS then grows by about one upload per gRPC thread that ever
+    received one (measured: +550 MB from 10 to 100 silos with WRN-28-2). A fixed 1 MiB threshold gives every large
+    buffer back when it is freed (+170 MB). No-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return_large_buffers_to_the_os()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
