@@ -40,16 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     test = quality.load_torchvision("FashionMNIST", args.data_root, False, 28, 1).subset(list(range(2000)))
     fine_tune = semifl.SemiFLHub._server_update
     sent: dict[str, float] = {}
+    calls = {"n": 0}  # the first call is init_state's; call k + 1 ends round k
 
     def measured(self, model, round_number):
         spec = self.model_spec
-        if round_number > 1:  # called in finish_round: `model` is the aggregate after the momentum step
+        calls["n"] += 1
+        finished = calls["n"] - 1
+        if finished >= 1:  # called in finish_round: `model` is the aggregate after the momentum step
             compute_static_bn(model, clean_batches(self.data.labeled_images, spec.mean, spec.std, self.device))
             before = evaluate(model, test.images, test.labels, spec.mean, spec.std, self.device)["accuracy"]
         loss = fine_tune(self, model, round_number)
         after = evaluate(model, test.images, test.labels, spec.mean, spec.std, self.device)["accuracy"]
-        if round_number > 1:
-            print(f"round {round_number - 1}: sent {sent['accuracy']:.3f}, silos' aggregate {before:.3f}, "
+        if finished >= 1:
+            print(f"round {finished}: sent {sent['accuracy']:.3f}, silos' aggregate {before:.3f}, "
                   f"after the hub's fine-tune {after:.3f}", flush=True)
         sent["accuracy"] = after
         return loss
