@@ -301,16 +301,19 @@ def bench_sample_dp(args) -> list[dict[str, Any]]:
     parts = [rest[p] for p in make_partition(train.labels.numpy()[rest], args.silos, "iid", args.seed)]
     spec = ModelSpec(num_classes=len(train.classes), options={"norm": "group"})
     cells = []
-    for sigma in ["server-only", "none", *args.noise_multipliers]:
+    no_dp = ("server-only", "none", "none-fix-only")
+    for sigma in [*no_dp, *args.noise_multipliers]:
         method = "server-only" if sigma == "server-only" else "semifl"
         entry = get_algorithm(method)
         chosen = {**DEMO_OPTIONS["semifl"], **({"tau": args.tau} if args.tau is not None else {})}
+        if sigma == "none-fix-only":  # the loss DP-SGD trains on (no Mixup), without DP: separates the two costs
+            chosen["mix_weight"] = 0.0
         options = entry.options.model_validate({k: v for k, v in chosen.items() if k in entry.options.model_fields})
         torch.manual_seed(args.seed)
         hub = entry.hub(options, spec, HubData(train.images[hub_idx], train.labels[hub_idx]), device, args.seed,
                         args.rounds)
         silo = entry.silo(options, spec, device) if entry.silo is not None else None
-        if sigma not in ("server-only", "none"):
+        if sigma not in no_dp:
             hub = WithSampleDP(hub, {"noise_multiplier": float(sigma), "clip_norm": args.clip_norm, "delta": 1e-5,
                                      "epsilon_budget": None})
         silos = [SiloData(images=train.images[idx], true_labels=train.labels[idx], silo_id=f"silo-{i:03d}")
@@ -321,7 +324,7 @@ def bench_sample_dp(args) -> list[dict[str, Any]]:
                                                               spec.mean, spec.std, device))
         ledgers = list(silo.sample_dp_ledgers.values()) if silo is not None else []
         epsilon = max((ledger.epsilon() for ledger in ledgers), default=None)
-        cells.append({"setting": sigma, "noise_multiplier": None if sigma in ("server-only", "none") else float(sigma),
+        cells.append({"setting": sigma, "noise_multiplier": None if sigma in no_dp else float(sigma),
                       "max_silo_epsilon": epsilon, "final_accuracy": history[-1]["test_accuracy"],
                       "accuracy_per_round": [h["test_accuracy"] for h in history], "seconds": time.time() - started})
         print(f"  sample-dp {sigma}: accuracy {history[-1]['test_accuracy']:.4f}"
@@ -337,7 +340,8 @@ def sample_dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) 
         f"each silo's own ledger). Machine: {info['platform']}, {info['cpu_count']} CPUs. One seed.", "",
         "| setting | noise multiplier sigma | largest epsilon of a silo | test accuracy (%) |", "|---|---|---|---|"]
     for c in cells:
-        name = {"server-only": "hub labels only (server-only)", "none": "SemiFL, group norm, no DP"}.get(
+        name = {"server-only": "hub labels only (server-only)", "none": "SemiFL, group norm, no DP",
+                "none-fix-only": "SemiFL without Mixup (the DP-SGD loss), no DP"}.get(
             c["setting"], "SemiFL + DP-SGD at the silos")
         sigma = "-" if c["noise_multiplier"] is None else f"{c['noise_multiplier']:g}"
         eps = "-" if c["max_silo_epsilon"] is None else f"{c['max_silo_epsilon']:.2f}"

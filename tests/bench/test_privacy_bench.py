@@ -36,7 +36,7 @@ def test_sample_dp_bench_tiny_run(tmp_path):
                        "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "sample_dp.json").read_text())
     cells = {c["setting"]: c for c in data["cells"]}
-    assert set(cells) == {"server-only", "none", "1.0"}
+    assert set(cells) == {"server-only", "none", "none-fix-only", "1.0"}
     assert cells["server-only"]["max_silo_epsilon"] is None and cells["none"]["max_silo_epsilon"] is None
     assert cells["1.0"]["max_silo_epsilon"] > 0
     assert all(0.1 < c["final_accuracy"] <= 1 for c in cells.values())
