@@ -73,11 +73,11 @@ PROFILES = {
                     headline_seeds=[0], eval_every=1, methods=["server-only", "semifl"], partitions=["iid"],
                     options={"hub_epochs": 3, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16,
                              "tau": 0.5}),
-    # About 10 minutes on 2 CPU cores: a smoke check of the whole table, not the headline numbers.
-    "quick": Profile(rounds=6, num_silos=20, silos_per_round=0.2, unlabeled_limit=6000, test_limit=2000, seeds=[0],
-                     headline_seeds=[0], eval_every=2,
-                     options={"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16},
-                     method_options={m: {**o, **({"hub_warmup_epochs": 2, "hub_epochs": 2} if m == "hassle" else {})}
+    # A few minutes on 2 CPU cores: a smoke check of the whole table, not the headline numbers.
+    "quick": Profile(rounds=12, num_silos=20, silos_per_round=0.2, unlabeled_limit=6000, test_limit=2000, seeds=[0],
+                     headline_seeds=[0], eval_every=3,
+                     options={"hub_epochs": 3, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16},
+                     method_options={m: {**o, **({"hub_warmup_epochs": 3, "hub_epochs": 3} if m == "hassle" else {})}
                                      for m, o in SAME_BUDGET.items()}),
     # The real table: 100 silos, 10% per round, every training image not held by the hub; several seeds for the
     # headline row. One training budget for every method, SemiFL's (SGD lr 0.03 with a cosine schedule over the
