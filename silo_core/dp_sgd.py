@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import secrets
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from silo_core.files import write_json_atomic
 
 log = logging.getLogger("silo_core.dp_sgd")
 
@@ -81,9 +82,7 @@ class SampleDPLedger:
     def charge(self, noise_multiplier: float, sample_rate: float, steps: int) -> float:
         self.accountant.step(noise_multiplier, sample_rate, steps)
         if self.path is not None:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.accountant.to_json()))
-            os.replace(tmp, self.path)  # a crash leaves the old ledger or the new one, never half of one
+            write_json_atomic(self.path, self.accountant.to_json())
         return self.epsilon()
 
 

@@ -28,11 +28,11 @@ from silo.v1 import silo_pb2_grpc
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
 from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchvision
+from silo_core.files import write_json_atomic
 from silo_core.models import ModelSpec, count_parameters
 from silo_core.partition import split_labeled_per_class
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
-from silo_server.checkpoint import write_json_atomic
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub
 from silo_server.metrics import HubMetrics

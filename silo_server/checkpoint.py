@@ -16,17 +16,9 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from silo_core.algorithms.base import HubState
+from silo_core.files import write_json_atomic
 
 KEEP = 2
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(state_dir: Path, state: HubState, info: dict[str, Any]) -> Path:

@@ -26,9 +26,10 @@ import torch
 from security import validation
 from security.secagg import ProtocolError
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.files import write_json_atomic
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
-from silo_server.checkpoint import load_latest, save_checkpoint, write_json_atomic
+from silo_server.checkpoint import load_latest, save_checkpoint
 from silo_server.privacy import BudgetExhausted, HubPrivacy
 
 log = logging.getLogger("silo_server")

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
+from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import MODELS, ModelSpec  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
@@ -223,11 +224,8 @@ def previous_cells(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]
 
 def save_results(path: Path, profile: str, settings: dict[str, Any], info: dict[str, Any], unavailable: list[str],
                  cells: list[dict[str, Any]]) -> None:
-    results = {"profile": profile, "profile_settings": settings, "machine": info, "unavailable_methods": unavailable,
-               "cells": cells}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, default=str))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"profile": profile, "profile_settings": settings, "machine": info,
+                             "unavailable_methods": unavailable, "cells": cells})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from silo_core.algorithms.base import (
     SiloResult,
     load_model,
     model_tensors,
+    weighted_delta,
 )
 from silo_core.augment import strong_augment, to_float, weak_augment
 from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_for
@@ -239,7 +240,7 @@ class SemiFLSilo(SiloAlgorithm):
 
         # (4) Send the weighted delta and its weight: the hub only ever needs sums.
         weight = 1.0 if o.aggregation == "uniform" else float(n_fix)
-        tensors = {f"delta/{n}": (p.detach().cpu() - start[n].cpu()) * weight for n, p in model.named_parameters()}
+        tensors = weighted_delta(model, start, weight)
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         metrics["train_loss"] = total_loss / max(steps, 1)
         metrics["train_steps"] = float(steps)
@@ -269,6 +270,6 @@ class SemiFLSilo(SiloAlgorithm):
         metrics.update(train_loss=loss, train_steps=float(steps),
                        sample_dp_epsilon=ledger.charge(dp.noise_multiplier, rate, scheduled))
         # Weight 1 whatever `aggregation` says: a weight of |D_fix| would publish a count of this silo's images.
-        tensors = {f"delta/{n}": p.detach().cpu() - start[n].cpu() for n, p in model.named_parameters()}
+        tensors = weighted_delta(model, start, 1.0)
         tensors["weight"] = torch.tensor([1.0], dtype=torch.float32)
         return SiloResult(tensors=tensors, metrics=metrics)
