@@ -23,13 +23,16 @@ def run_inprocess(
     seed: int = 0,
     evaluate: Callable[[HubState], dict[str, float]] | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    round_hyperparameters: dict[str, Any] | None = None,
 ) -> tuple[HubState, list[dict[str, Any]]]:
+    """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp)."""
     state = hub.init_state()
     history: list[dict[str, Any]] = []
     rng = random.Random(seed)
     for _ in range(rounds):
         started = time.time()
         plan = hub.begin_round(state)
+        plan.hyperparameters.update(round_hyperparameters or {})
         sums = RunningSum()
         sampled: list[SiloData] = []
         if hub.needs_silos and silo is not None and silos:

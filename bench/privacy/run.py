@@ -270,21 +270,6 @@ def remake_dp_markdown(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sample-level DP
-class WithSampleDP:
-    """A hub half whose plans ask the silos for DP-SGD, as the hub core does for hub.yaml privacy.sample_dp."""
-
-    def __init__(self, hub, settings: dict[str, Any]):
-        self.hub, self.settings = hub, settings
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.hub, name)
-
-    def begin_round(self, state):
-        plan = self.hub.begin_round(state)
-        plan.hyperparameters["sample_dp"] = dict(self.settings)
-        return plan
-
-
 def bench_sample_dp(args) -> list[dict[str, Any]]:
     from silo_core.algorithms import get_algorithm
     from silo_core.algorithms.base import HubData, SiloData
@@ -313,15 +298,15 @@ def bench_sample_dp(args) -> list[dict[str, Any]]:
         hub = entry.hub(options, spec, HubData(train.images[hub_idx], train.labels[hub_idx]), device, args.seed,
                         args.rounds)
         silo = entry.silo(options, spec, device) if entry.silo is not None else None
-        if sigma not in no_dp:
-            hub = WithSampleDP(hub, {"noise_multiplier": float(sigma), "clip_norm": args.clip_norm, "delta": 1e-5,
-                                     "epsilon_budget": None})
+        sample_dp = None if sigma in no_dp else {"sample_dp": {
+            "noise_multiplier": float(sigma), "clip_norm": args.clip_norm, "delta": 1e-5, "epsilon_budget": None}}
         silos = [SiloData(images=train.images[idx], true_labels=train.labels[idx], silo_id=f"silo-{i:03d}")
                  for i, idx in enumerate(parts)]
         started = time.time()
         _, history = run_inprocess(hub, silo, silos, args.rounds, 1.0, args.seed,
                                    lambda st, h=hub: evaluate(h.served_model(st), test.images, test.labels,
-                                                              spec.mean, spec.std, device))
+                                                              spec.mean, spec.std, device),
+                                   round_hyperparameters=sample_dp)
         ledgers = list(silo.sample_dp_ledgers.values()) if silo is not None else []
         epsilon = max((ledger.epsilon() for ledger in ledgers), default=None)
         cells.append({"setting": sigma, "noise_multiplier": None if sigma in no_dp else float(sigma),
