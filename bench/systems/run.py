@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,47 +89,58 @@ def bench_bytes() -> list[dict[str, Any]]:
     return rows
 
 
-def bench_overhead(rounds: int = 4, silos: int = 4) -> list[dict[str, Any]]:
+def bench_overhead(rounds: int = 4, silos: int = 4, repeats: int = 3) -> list[dict[str, Any]]:
     """The same comparison with small and with larger silos: the wire's cost per round is roughly fixed (polls,
-    transfers, checks), so its share shrinks as local training grows."""
-    return [overhead_once(rounds, silos, unlabeled) for unlabeled in (2000, 5750)]
+    transfers, checks), so its share shrinks as local training grows. Each way runs `repeats` times, alternating,
+    and the medians are compared: one run of a few seconds swings by 10% on a shared 2-core machine."""
+    return [overhead_once(rounds, silos, unlabeled, repeats) for unlabeled in (2000, 5750)]
 
 
-def overhead_once(rounds: int, silos: int, unlabeled: int) -> dict[str, Any]:
+def overhead_once(rounds: int, silos: int, unlabeled: int, repeats: int) -> dict[str, Any]:
     """Same data, options, seeds: one worker (silos train one after another, as in-process) vs in-process."""
+    wire_runs, local_runs, wire_acc, local_acc = [], [], None, None
+    with tempfile.TemporaryDirectory() as keep:
+        staged = Path(keep) / "first"
+        for i in range(repeats):
+            # A fresh work folder per wire run: the hub would otherwise resume from the last run's checkpoint.
+            workdir = staged if i == 0 else Path(keep) / f"run-{i}"
+            summary = run_sim(workdir, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
+                              "--unlabeled", str(unlabeled))
+            wire_runs.append([r["round_seconds"] for r in summary["rounds"]])
+            wire_acc = summary["rounds"][-1].get("test_accuracy")
+            history = inprocess_rounds(staged / "work", rounds)
+            local_runs.append([h["round_seconds"] for h in history])
+            local_acc = history[-1].get("test_accuracy")
+    w = statistics.median(sum(run) for run in wire_runs)
+    lo = statistics.median(sum(run) for run in local_runs)
+    return {"rounds": rounds, "silos": silos, "unlabeled": unlabeled, "repeats": repeats,
+            "wire_round_seconds": wire_runs, "inprocess_round_seconds": local_runs,
+            "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
+            "wire_final_accuracy": wire_acc, "inprocess_final_accuracy": local_acc}
+
+
+def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
+    """The rounds silo-sim ran from `work`, in one process: the same staged data, options and seed."""
     from silo_core.algorithms.base import HubData, SiloData
     from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
     from silo_core.data import load_labeled_folder, load_unlabeled_folder
+    from silo_core.training import evaluate
     from silo_sim.cli import DEMO_OPTIONS
     from silo_sim.inprocess import run_inprocess
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        summary = run_sim(tmp, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
-                          "--unlabeled", str(unlabeled))
-        wire = [r["round_seconds"] for r in summary["rounds"]]
-        work = tmp / "work"
-        torch.set_num_threads(os.cpu_count() or 1)
-        labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
-        silo_data = []
-        for d in sorted((work / "silos").iterdir()):
-            images = load_unlabeled_folder(d / "images", 28, 1)
-            silo_data.append(SiloData(images=images.images, silo_id=d.name))
-        opts = SemiFLOptions.model_validate(DEMO_OPTIONS["semifl"])
-        spec = ModelSpec(num_classes=10)
-        hub = SemiFLHub(opts, spec, HubData(labeled.images, labeled.labels), torch.device("cpu"), 0, rounds)
-        test = load_labeled_folder(work / "hub" / "test", 28, 1)
-        from silo_core.training import evaluate
-
-        _, history = run_inprocess(hub, SemiFLSilo(opts, spec, torch.device("cpu")), silo_data, rounds,
-                                   evaluate=lambda s: evaluate(hub.served_model(s), test.images, test.labels,
-                                                               spec.mean, spec.std, torch.device("cpu")))
-        local = [h["round_seconds"] for h in history]
-    w, lo = sum(wire), sum(local)
-    return {"rounds": rounds, "silos": silos, "unlabeled": unlabeled, "wire_round_seconds": wire, "inprocess_round_seconds": local,
-            "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
-            "wire_final_accuracy": summary["rounds"][-1].get("test_accuracy"),
-            "inprocess_final_accuracy": history[-1].get("test_accuracy")}
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = torch.device("cpu")
+    labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
+    test = load_labeled_folder(work / "hub" / "test", 28, 1)
+    silo_data = [SiloData(images=load_unlabeled_folder(d / "images", 28, 1).images, silo_id=d.name)
+                 for d in sorted((work / "silos").iterdir())]
+    opts = SemiFLOptions.model_validate(DEMO_OPTIONS["semifl"])
+    spec = ModelSpec(num_classes=10)
+    hub = SemiFLHub(opts, spec, HubData(labeled.images, labeled.labels), cpu, 0, rounds)
+    _, history = run_inprocess(hub, SemiFLSilo(opts, spec, cpu), silo_data, rounds,
+                               evaluate=lambda s: evaluate(hub.served_model(s), test.images, test.labels,
+                                                           spec.mean, spec.std, cpu))
+    return history
 
 
 def bench_memory(silo_counts=(10, 50, 100)) -> list[dict[str, Any]]:
@@ -166,6 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def steady_overhead(o: dict[str, Any]) -> str:
+    """Overhead of rounds 2 onwards (medians over runs): the wire's first round also pays the fresh worker
+    process's warm-up, which the in-process run paid in its hub's initial training."""
+    wire, local = o.get("wire_round_seconds"), o.get("inprocess_round_seconds")
+    if not wire or not isinstance(wire[0], list) or len(wire[0]) < 2:
+        return "-"
+    w = statistics.median(sum(run[1:]) for run in wire)
+    lo = statistics.median(sum(run[1:]) for run in local)
+    return f"{100 * (w - lo) / lo:+.1f}%"
+
+
 def report(r: dict[str, Any]) -> str:
     m = r.get("machine", {})
     lines = [f"Machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, CUDA: {m.get('cuda')}.", ""]
@@ -184,13 +207,15 @@ def report(r: dict[str, Any]) -> str:
     if "overhead" in r:
         lines += ["", "## Deployment overhead (same SemiFL rounds, same data and seeds)", "",
                   "In-process (silo_sim/inprocess.py) against silo-sim over gRPC + mutual TLS with one worker process "
-                  "(silos train one after another in both). Target: overhead < 5% of round time.", "",
-                  "| silos | unlabeled images | rounds | in-process | over the wire | overhead | final accuracy "
-                  "in-process / wire |", "|---|---|---|---|---|---|---|"]
+                  "(silos train one after another in both); each way run several times, alternating, medians "
+                  "compared. Target: overhead < 5% of round time.", "",
+                  "| silos | unlabeled images | rounds x runs | in-process | over the wire | overhead | overhead after "
+                  "round 1 | final accuracy in-process / wire |", "|---|---|---|---|---|---|---|---|"]
         rows = r["overhead"] if isinstance(r["overhead"], list) else [r["overhead"]]
-        lines += [f"| {o['silos']} | {o.get('unlabeled', 2000)} | {o['rounds']} | {o['inprocess_total_s']:.1f} s | "
-                  f"{o['wire_total_s']:.1f} s | {100 * o['overhead_fraction']:+.1f}% | "
-                  f"{o['inprocess_final_accuracy']:.4f} / {o['wire_final_accuracy']:.4f} |" for o in rows]
+        lines += [f"| {o['silos']} | {o.get('unlabeled', 2000)} | {o['rounds']} x {o.get('repeats', 1)} | "
+                  f"{o['inprocess_total_s']:.1f} s | {o['wire_total_s']:.1f} s | {100 * o['overhead_fraction']:+.1f}% | "
+                  f"{steady_overhead(o)} | {o['inprocess_final_accuracy']:.4f} / {o['wire_final_accuracy']:.4f} |"
+                  for o in rows]
     if "memory" in r:
         lines += ["", "## Hub peak memory vs reporting silos (WRN-28-2, 1.47M parameters)", "",
                   "| silos reporting | uploads received | hub peak RSS |", "|---|---|---|"]
