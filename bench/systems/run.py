@@ -111,12 +111,16 @@ def overhead_once(rounds: int, silos: int, unlabeled: int, repeats: int) -> dict
             history = inprocess_rounds(staged / "work", rounds)
             local_runs.append([h["round_seconds"] for h in history])
             local_acc = history[-1].get("test_accuracy")
-    w = statistics.median(sum(run) for run in wire_runs)
-    lo = statistics.median(sum(run) for run in local_runs)
+    w, lo = median_total(wire_runs), median_total(local_runs)
     return {"rounds": rounds, "silos": silos, "unlabeled": unlabeled, "repeats": repeats,
             "wire_round_seconds": wire_runs, "inprocess_round_seconds": local_runs,
             "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
             "wire_final_accuracy": wire_acc, "inprocess_final_accuracy": local_acc}
+
+
+def median_total(runs: list[list[float]], first_round: int = 1) -> float:
+    """Median over runs of the seconds of rounds `first_round` onwards."""
+    return statistics.median(sum(run[first_round - 1:]) for run in runs)
 
 
 def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
@@ -184,8 +188,7 @@ def steady_overhead(o: dict[str, Any]) -> str:
     wire, local = o.get("wire_round_seconds"), o.get("inprocess_round_seconds")
     if not wire or not isinstance(wire[0], list) or len(wire[0]) < 2:
         return "-"
-    w = statistics.median(sum(run[1:]) for run in wire)
-    lo = statistics.median(sum(run[1:]) for run in local)
+    w, lo = median_total(wire, first_round=2), median_total(local, first_round=2)
     return f"{100 * (w - lo) / lo:+.1f}%"
 
 
