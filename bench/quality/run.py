@@ -14,6 +14,8 @@ Writes results/<profile>/results.json (every round's metrics), table.md and curv
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -222,10 +224,51 @@ def previous_cells(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]
     return list(previous.get("cells", []))
 
 
+def cell_key(cell: dict[str, Any]) -> tuple[str, str, int]:
+    return cell["method"], cell["partition"], cell["seed"]
+
+
+@contextlib.contextmanager
+def results_lock(path: Path):
+    """Several runs may share one output folder (say one per partition, each on its own cores): every
+    read-merge-write of results.json happens under this lock, so no run drops a cell another one finished."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def claim_cell(out: Path, key: tuple[str, str, int], done: set[tuple[str, str, int]]) -> Path | None:
+    """Mark the cell as being trained by this process, unless it is finished or a live run has claimed it (call
+    under results_lock). Returns the claim file to delete when the cell is saved, or None to skip the cell."""
+    if key in done:
+        return None
+    claim = out / "running" / "{}-{}-seed{}".format(*key)
+    if claim.exists():
+        try:
+            os.kill(int(claim.read_text()), 0)
+            return None  # another run sharing this folder is training it now
+        except (ValueError, ProcessLookupError):
+            pass  # left by a run that died: take it over
+        except PermissionError:
+            return None
+    claim.parent.mkdir(exist_ok=True)
+    claim.write_text(str(os.getpid()))
+    return claim
+
+
 def save_results(path: Path, profile: str, settings: dict[str, Any], info: dict[str, Any], unavailable: list[str],
-                 cells: list[dict[str, Any]]) -> None:
-    write_json_atomic(path, {"profile": profile, "profile_settings": settings, "machine": info,
-                             "unavailable_methods": unavailable, "cells": cells})
+                 cells: list[dict[str, Any]], keep=lambda cell: True) -> list[dict[str, Any]]:
+    """Write our cells plus the cells other runs saved meanwhile (same settings, kept by ``keep``); returns all."""
+    with results_lock(path):
+        ours = {cell_key(c) for c in cells}
+        others = [c for c in previous_cells(path, settings) if cell_key(c) not in ours and keep(c)]
+        merged = cells + others
+        write_json_atomic(path, {"profile": profile, "profile_settings": settings, "machine": info,
+                                 "unavailable_methods": unavailable, "cells": merged})
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,22 +316,35 @@ def main(argv: list[str] | None = None) -> int:
     # stopped. A cell is kept only if it ran with the same setting (rounds, silos, data) and the same options;
     # anything else is dropped, never mixed in.
     settings = json.loads(json.dumps(profile.__dict__, default=str))
-    cells = [] if args.fresh else previous_cells(out / "results.json", settings)
-    cells = [c for c in cells if c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)
-             and c.get("model", "small_cnn") == args.model]
+    def keep(c: dict[str, Any]) -> bool:
+        return (c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)
+                and c.get("model", "small_cnn") == args.model)
+
+    results_path = out / "results.json"
+    if args.fresh:
+        with results_lock(results_path):
+            results_path.unlink(missing_ok=True)
+    cells = [c for c in previous_cells(results_path, settings) if keep(c)]
     for part in partitions:
         for method in methods:
             seeds = profile.headline_seeds if part == "iid" else profile.seeds
             for seed in seeds:
-                if any((c["method"], c["partition"], c["seed"]) == (method, part, seed) for c in cells):
+                # Runs sharing this folder share its queue: skip what another run finished or is training.
+                with results_lock(results_path):
+                    done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
+                    claim = claim_cell(out, (method, part, seed), done)
+                if claim is None:
                     continue
-                cell = run_cell(method, part, seed, profile, train, test, device, args.model)
-                cell["machine"] = info
-                cells.append(cell)
-                print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
-                      f"({cell['seconds']:.0f}s)", flush=True)
-                save_results(out / "results.json", args.profile, settings, info, unavailable, cells)
-    save_results(out / "results.json", args.profile, settings, info, unavailable, cells)
+                try:
+                    cell = run_cell(method, part, seed, profile, train, test, device, args.model)
+                    cell["machine"] = info
+                    cells.append(cell)
+                    print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
+                          f"({cell['seconds']:.0f}s)", flush=True)
+                    save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
+                finally:
+                    claim.unlink(missing_ok=True)
+    cells = save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
     table = markdown_table(cells, args.profile, info)
     if unavailable:
         table += f"\nNot yet available in this build: {', '.join(unavailable)}.\n"

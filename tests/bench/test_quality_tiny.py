@@ -33,3 +33,19 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "seed 0:" not in again.stdout, again.stderr[-3000:]
     assert json.loads((tmp_path / "results.json").read_text())["cells"] == results["cells"]
+
+
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_two_runs_sharing_an_output_folder_split_the_cells_between_them(tmp_path):
+    """`--threads 1` runs side by side on one folder (the way to fill the full table on a small CPU): every cell
+    is trained by exactly one of them and results.json ends up with both."""
+    command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+               "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "1"]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-3000:] for _, err in outputs]
+    trained = [line.split()[1] for out, _ in outputs for line in out.splitlines() if "seed 0:" in line]
+    assert sorted(trained) == ["semifl", "server-only"]  # each cell once, by one run or the other
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(c["method"] for c in results["cells"]) == ["semifl", "server-only"]
+    assert list((tmp_path / "running").iterdir()) == []  # claims are released once a cell is saved
