@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
-from silo_core.tensors import DTYPE_NAMES, TensorSpec
+from silo_core.tensors import DTYPE_NAMES, DTYPES, TensorSpec
 
 # Caps on the small fields of every request. Ids the hub hands out are far shorter (run ids are 32 hex digits).
 MAX_ID_CHARS = 128
@@ -153,6 +153,26 @@ def check_metrics(metrics: Any) -> dict[str, float]:
     return out
 
 
+def planned_upload_bytes(expected: Mapping[str, TensorSpec]) -> int:
+    """The most bytes a safetensors payload of exactly these tensors can take: their numbers plus a generous
+    allowance for the JSON header (name, dtype, shape and offsets of each tensor)."""
+    data = sum(math.prod(spec.shape) * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+               for spec in expected.values())
+    header = sum(len(name.encode()) + 64 + 24 * len(spec.shape) for name, spec in expected.items())
+    return 8 + 1024 + header + data
+
+
+def check_upload_size(total_bytes: int, max_bytes: int, expected: Mapping[str, TensorSpec] | None = None) -> None:
+    """Refuse an announced size over the hub's cap, or (given the planned tensors) over what they can take."""
+    if total_bytes > max_bytes:
+        raise Invalid("RESOURCE_EXHAUSTED", "oversized",
+                      f"upload of {total_bytes} bytes exceeds this hub's cap of {max_bytes} bytes (wire.max_upload_bytes)")
+    if expected is not None and total_bytes > (planned := planned_upload_bytes(expected)):
+        raise Invalid("RESOURCE_EXHAUSTED", "oversized",
+                      f"upload of {total_bytes} bytes is larger than the {planned} bytes the round's planned tensors "
+                      "can take; send exactly the tensors of the round's plan")
+
+
 def read_stream(
     total_bytes: int,
     sha256: str,
@@ -165,9 +185,7 @@ def read_stream(
     Refuses early, before buffering more: an announced size over ``max_bytes``, a chunk past the announced size,
     empty chunks (a stream of them would never end), gaps and overlaps, and a round that closed meanwhile.
     """
-    if total_bytes > max_bytes:
-        raise Invalid("RESOURCE_EXHAUSTED", "oversized",
-                      f"upload of {total_bytes} bytes exceeds this hub's cap of {max_bytes} bytes (wire.max_upload_bytes)")
+    check_upload_size(total_bytes, max_bytes)
     buffer = bytearray()
     digest = hashlib.sha256()
     for offset, data in chunks:

@@ -1,9 +1,12 @@
-"""Streaming aggregation: each accepted result is added into running sums and dropped at once, so the hub's memory
-does not grow with the number of reporting silos."""
+"""Streaming aggregation: each accepted result is added into running sums and dropped at once, and at most a fixed
+number of bytes of uploads are held at any moment, so the hub's memory does not grow with the number of reporting
+silos."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -29,3 +32,35 @@ class RunningSum:
 
     def result(self) -> dict[str, torch.Tensor]:
         return {k: (v.to(torch.float32) if v.is_floating_point() else v) for k, v in self.tensors.items()}
+
+
+class UploadBudget:
+    """Admits uploads while the bytes held (received, decoded, checked, not yet summed) stay within ``limit``.
+
+    Without it a hundred silos finishing together are a hundred payloads in memory at once. An upload larger than
+    the whole budget is admitted when nothing else is held, so no valid upload waits forever.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"the upload budget must be positive, got {limit}")
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, size: int, still_wanted: Callable[[], bool] = lambda: True) -> Iterator[None]:
+        """Wait for room for ``size`` bytes, hold them for the block. Stops waiting once ``still_wanted()`` is
+        false (the round closed): the caller then refuses the upload on its first chunk."""
+        with self._cond:
+            while self.held and self.held + size > self.limit and still_wanted():
+                self._cond.wait(timeout=0.5)
+            self.held += size
+            self.peak = max(self.peak, self.held)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.held -= size
+                self._cond.notify_all()

@@ -106,6 +106,7 @@ class HubApp:
             max_attempts=r.max_attempts,
             liveness_s=r.liveness_s,
             max_upload_bytes=config.wire.max_upload_bytes,
+            max_inflight_upload_bytes=config.wire.max_inflight_upload_bytes,
             max_update_norm=config.security.max_update_norm,
             half_precision=config.wire.half_precision,
             evaluate=self.evaluate if self.test is not None else None,

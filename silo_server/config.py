@@ -121,6 +121,9 @@ class RoundsSection(_Strict):
 class WireSection(_Strict):
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
     max_upload_bytes: int = Field(512 << 20, ge=1024)
+    max_inflight_upload_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="uploads held at once (being received and checked) stay under this many "
+        "bytes; later ones wait their turn, so hub memory stays flat however many silos report together")
     half_precision: bool = Field(False, description="large float tensors travel as float16 (model and deltas)")
 
 

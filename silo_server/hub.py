@@ -28,7 +28,7 @@ from security.secagg import ProtocolError
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.files import write_json_atomic
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
-from silo_server.aggregate import RunningSum
+from silo_server.aggregate import RunningSum, UploadBudget
 from silo_server.checkpoint import load_latest, save_checkpoint
 from silo_server.privacy import BudgetExhausted, HubPrivacy
 
@@ -116,6 +116,7 @@ class Hub:
         max_attempts: int = 5,
         liveness_s: float = 60.0,
         max_upload_bytes: int = 512 << 20,
+        max_inflight_upload_bytes: int = 64 << 20,
         max_update_norm: float | None = None,
         half_precision: bool = False,
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
@@ -134,6 +135,7 @@ class Hub:
         self.max_attempts = max_attempts
         self.liveness_s = liveness_s
         self.max_upload_bytes = max_upload_bytes
+        self.upload_budget = UploadBudget(max_inflight_upload_bytes)
         self.max_update_norm = max_update_norm
         self.half_precision = half_precision
         self.evaluate = evaluate
@@ -302,9 +304,11 @@ class Hub:
             max_weight = float(max(1, record.num_unlabeled + record.num_labeled))
         metrics, skipped, total = h.metrics, h.skipped, h.total_bytes
 
+        def still_open() -> bool:
+            return t.open and self.task is t
+
         def read() -> dict[str, torch.Tensor]:
-            payload = validation.read_stream(total, h.sha256, chunks, self.max_upload_bytes,
-                                             still_open=lambda: t.open and self.task is t)
+            payload = validation.read_stream(total, h.sha256, chunks, self.max_upload_bytes, still_open=still_open)
             if skipped:
                 return {}
             tensors = validation.decode_tensors(payload)
@@ -317,7 +321,18 @@ class Hub:
                     raise validation.Invalid("FAILED_PRECONDITION", "privacy", str(err)) from None
             return tensors
 
-        tensors = self.validate(silo_id, read)
+        # The announced size is checked before any room is reserved for it: a silo cannot hold more of the budget
+        # than the round's tensors take.
+        self.validate(silo_id, lambda: validation.check_upload_size(total, self.max_upload_bytes,
+                                                                     t.accepted or t.expected))
+        with self.upload_budget.hold(total, still_open):
+            tensors = self.validate(silo_id, read)
+            self._add_upload(silo_id, t, tensors, metrics, skipped, total)
+        log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
+                 len(t.reported), len(t.sampled))
+
+    def _add_upload(self, silo_id: str, t: ActiveTask, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
+                    skipped: bool, total: int) -> None:
         with self.cond:
             if self.task is not t or not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
@@ -333,8 +348,6 @@ class Hub:
             self._count("received_bytes", total)
             self._count("accepted_skips" if skipped else "accepted_updates")
             self.cond.notify_all()
-        log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
-                 len(t.reported), len(t.sampled))
 
     def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """A secure-aggregation stage message (silo_server/privacy.py checks it against the session)."""
@@ -352,6 +365,13 @@ class Hub:
             if stage == "advertise_keys" and not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
         total = int(header.get("total_bytes", 0))
+        self.validate(silo_id, lambda: validation.check_upload_size(total, self.max_upload_bytes))
+        with self.upload_budget.hold(max(total, 0), lambda: self.task is t):
+            self._receive_secagg(silo_id, t, stage, header, chunks, total)
+        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
+
+    def _receive_secagg(self, silo_id: str, t: ActiveTask, stage: str, header: dict[str, Any],
+                        chunks: Iterable[tuple[int, bytes]], total: int) -> None:
         try:
             assembler = ChunkAssembler(total, self.max_upload_bytes)
             for offset, data in chunks:
@@ -373,7 +393,6 @@ class Hub:
                 self.silos[silo_id].rounds_contributed += 1
             t.bytes_up += total
             self.cond.notify_all()
-        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
 
     # ------------------------------------------------------------------ the round loop
     def live_silos(self) -> list[str]:

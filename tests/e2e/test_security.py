@@ -254,6 +254,7 @@ def _attack(staged: StagedFederation, port: int, client: SiloClient, task: silo_
     longer = _messages(run_id, task, good) + [silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=len(good),
                                                                                           data=b"x" * 1024))]
     out["oversized_stream"] = upload(longer)
+    out["larger_than_plan"] = upload(_messages(run_id, task, good, total_bytes=len(good) + (64 << 10)))
     head = _messages(run_id, task, b"", total_bytes=6 << 20, sha256="0" * 64)
     out["oversized_message"] = upload(head + [silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0,
                                                                                          data=b"x" * (6 << 20)))])
@@ -395,7 +396,9 @@ def test_replays_oversized_streams_and_poisoned_updates(runs: tuple[Run, Run]) -
         "replay": ("FAILED_PRECONDITION", "not the current open task"),
         "oversized_announced": ("RESOURCE_EXHAUSTED", "exceeds this hub's cap"),
         "oversized_stream": ("RESOURCE_EXHAUSTED", "longer than the"),
-        "oversized_message": ("RESOURCE_EXHAUSTED", ""),  # gRPC's own per-message cap
+        # Announced within the hub's cap, but more than the planned tensors take: refused before any buffering.
+        "larger_than_plan": ("RESOURCE_EXHAUSTED", "the round's planned tensors can take"),
+        "oversized_message": ("RESOURCE_EXHAUSTED", ""),  # its 6 MB header announcement, or gRPC's message cap
         "nan": ("INVALID_ARGUMENT", "NaN"),
         "wrong_shape": ("INVALID_ARGUMENT", "has shape"),
         "norm": ("INVALID_ARGUMENT", "update norm 500 exceeds this hub's bound of 50"),
@@ -409,11 +412,11 @@ def test_every_refusal_is_logged_with_the_peer_and_counted_by_reason(runs: tuple
     log = runs[1].hub_log
     counts = [json.loads(line.split("refusals so far: ", 1)[1]) for line in log.splitlines()
               if "refusals so far: " in line]
-    # A message over gRPC's own cap ends the stream before the hub sees it; the hub then counts the short
-    # stream as bad_stream (or not at all, if gRPC cancelled the call first).
-    assert counts[-1].pop("bad_stream", 0) <= 1
+    # The 6 MB message's header announces more than the planned tensors take, so the hub refuses it as oversized
+    # before gRPC's own message cap comes into play.
+    assert counts[-1].pop("bad_stream", 0) == 0
     assert counts[-1] == {
-        "revoked": 2, "not_allowed": 1, "duplicate": 1, "stale_task": 1, "oversized": 2, "non_finite": 1,
+        "revoked": 2, "not_allowed": 1, "duplicate": 1, "stale_task": 1, "oversized": 4, "non_finite": 1,
         "bad_tensors": 1, "update_norm": 1, "bad_weight": 1,
     }
     for reason, peer in (("not_allowed", "silo-004"), ("duplicate", "silo-001"), ("stale_task", "silo-003"),

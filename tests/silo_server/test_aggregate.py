@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from silo_server.aggregate import RunningSum
+from silo_server.aggregate import RunningSum, UploadBudget
 
 
 def test_running_sum_is_exact_and_keeps_one_copy_whatever_the_number_of_silos():
@@ -23,3 +24,18 @@ def test_a_skipped_report_adds_metrics_but_is_not_a_contributor():
     sums = RunningSum()
     sums.add({}, {"pl_total": 5.0})
     assert sums.contributors == 0 and sums.tensors == {} and sums.metrics == {"pl_total": 5.0}
+
+
+def test_upload_budget_admits_an_upload_larger_than_itself_when_nothing_else_is_held():
+    budget = UploadBudget(100)
+    with budget.hold(250):  # alone: admitted, so no valid upload waits forever
+        assert budget.held == 250
+    with budget.hold(60):
+        waited = []
+        # Over the limit while 60 bytes are held; a closed round (still_wanted false) stops the wait at once.
+        with budget.hold(60, still_wanted=lambda: waited.append(1) and False):
+            assert budget.held == 120
+        assert waited == [1]
+    assert budget.held == 0 and budget.peak == 250
+    with pytest.raises(ValueError, match="positive"):
+        UploadBudget(0)

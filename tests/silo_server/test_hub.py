@@ -243,3 +243,55 @@ def test_half_precision_declares_large_float_tensors_as_float16_and_keeps_counts
     assert wire["delta/w"].dtype == "float16"
     assert wire["weight"].dtype == "float32" and wire["ids"].dtype == "int64"
     assert wire_specs(specs, half=False) == specs
+
+
+def test_uploads_beyond_the_in_flight_budget_wait_their_turn_and_none_is_lost(tmp_path):
+    one_upload = len(encode(result(0.0)))
+    hub = make_hub(tmp_path, max_inflight_upload_bytes=one_upload)  # room for exactly one upload at a time
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
+    payload = encode(result(1.0))
+    a_is_streaming, let_a_finish = threading.Event(), threading.Event()
+
+    def slow_chunks():  # silo a sends half its bytes, then stalls until the test lets it go on
+        yield 0, payload[:16]
+        a_is_streaming.set()
+        let_a_finish.wait(10)
+        yield 16, payload[16:]
+
+    header = {"run_id": hub.run_id, "task_id": ta.task_id, "round": ta.round, "total_bytes": len(payload),
+              "sha256": sha256_hex(payload), "skipped": False, "metrics": {"n": 1.0}}
+    a = threading.Thread(target=hub.upload, args=("a", header, slow_chunks()))
+    b = threading.Thread(target=upload, args=(hub, "b", tb, result(3.0)))
+    a.start()
+    assert a_is_streaming.wait(5)
+    b.start()
+    time.sleep(0.5)
+    assert b.is_alive() and hub.upload_budget.held == one_upload  # b waits while a holds the whole budget
+    let_a_finish.set()
+    a.join(5), b.join(5)
+    thread.join(10)
+    assert hub.upload_budget.peak == one_upload and hub.upload_budget.held == 0
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # both uploads summed
+
+
+def test_an_announced_size_beyond_the_planned_tensors_is_refused_before_reading(tmp_path):
+    hub = make_hub(tmp_path)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    start_round(hub)
+    task = wait_task(hub, "a")
+    read = []
+
+    def chunks():
+        read.append(1)
+        yield 0, b"x"
+
+    header = {"run_id": hub.run_id, "task_id": task.task_id, "round": task.round, "total_bytes": 10 << 20,
+              "sha256": "0" * 64, "skipped": False, "metrics": {}}
+    with pytest.raises(Refusal) as info:
+        hub.upload("a", header, chunks())
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "planned tensors" in info.value.message
+    assert read == [] and hub.upload_budget.held == 0 and hub.refusals == {"oversized": 1}
