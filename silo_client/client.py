@@ -28,6 +28,7 @@ from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.tensors import (
+    CHUNK_BYTES,
     DTYPES,
     CodecError,
     TensorSpec,
@@ -227,7 +228,7 @@ class SiloClient:
 
         def messages() -> Iterator[silo_pb2.UploadMessage]:
             yield silo_pb2.UploadMessage(header=header)
-            for offset, data in iter_chunks(payload, int(self.run.chunk_bytes) or (1 << 20)):
+            for offset, data in iter_chunks(payload, int(self.run.chunk_bytes) or CHUNK_BYTES):
                 yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
 
         self.stub.Upload(messages(), timeout=600)

@@ -25,7 +25,7 @@ from security.dp import SiloInstructions, privatize_update
 from security.secagg import SecAggError, SiloSession
 from silo.v1 import silo_pb2
 from silo_core.algorithms.base import SiloResult
-from silo_core.tensors import DTYPES, TensorSpec, iter_chunks, sha256_hex
+from silo_core.tensors import CHUNK_BYTES, DTYPES, TensorSpec, iter_chunks, sha256_hex
 
 log = logging.getLogger("silo_client")
 
@@ -109,7 +109,7 @@ def upload_stage(client, task_id: str, round_number: int, stage: str, payload: b
 
     def messages() -> Iterator[silo_pb2.UploadMessage]:
         yield silo_pb2.UploadMessage(header=header)
-        for offset, data in iter_chunks(payload, int(client.run.chunk_bytes) or (1 << 20)):
+        for offset, data in iter_chunks(payload, int(client.run.chunk_bytes) or CHUNK_BYTES):
             yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
 
     client.stub.Upload(messages(), timeout=600)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.models import MODELS, NORMS
+from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
 
 
@@ -119,7 +120,7 @@ class RoundsSection(_Strict):
 
 
 class WireSection(_Strict):
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    chunk_bytes: int = Field(CHUNK_BYTES, ge=1024, le=4 << 20)
     max_upload_bytes: int = Field(512 << 20, ge=1024)
     max_inflight_upload_bytes: int = Field(
         64 << 20, ge=1 << 20, description="uploads held at once (being received and checked) stay under this many "

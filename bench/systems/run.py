@@ -7,7 +7,8 @@
    (WRN-28-2) and a 25M-parameter model.
 2. bytes: bytes on the wire per silo and round versus the raw model size, model sent as fp32 and as fp16.
 3. overhead: the same SemiFL rounds in-process versus through silo-sim over gRPC + mutual TLS (target: < 5%).
-4. memory: hub peak memory versus the number of reporting silos with a 1.5M-parameter model (target: flat).
+4. memory: hub peak memory versus the number of reporting silos with a 1.5M-parameter model (target: flat), and
+   with small_cnn's 133 KB uploads as a control.
 
 Writes results/results.json and results/report.md.
 """
@@ -147,15 +148,18 @@ def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
     return history
 
 
-def bench_memory(silo_counts=(10, 50, 100)) -> list[dict[str, Any]]:
+def bench_memory(runs=(("wrn28_2", 10), ("wrn28_2", 50), ("wrn28_2", 100), ("small_cnn", 10), ("small_cnn", 100))
+                 ) -> list[dict[str, Any]]:
+    """WRN-28-2 uploads (5.9 MB each) for the target; small_cnn uploads (133 KB) as the control that tells the
+    cost of a connection from the cost of an upload."""
     rows = []
-    for n in silo_counts:
+    for model, n in runs:
         with tempfile.TemporaryDirectory() as tmp:
             summary = run_sim(Path(tmp), "--silos", str(n), "--rounds", "1", "--unlabeled", str(20 * n),
-                              "--model", "wrn28_2", "--option", "tau=0.0", "--option", "local_epochs=1",
+                              "--model", model, "--option", "tau=0.0", "--option", "local_epochs=1",
                               "--option", "hub_epochs=1", "--option", "silo_batch_size=20")
         r = summary["rounds"][0]
-        rows.append({"silos_reporting": r["silos_reported"], "model_parameters": 1_467_610,
+        rows.append({"model": model, "silos_reporting": r["silos_reported"],
                      "hub_peak_rss_MB": r["hub_peak_rss_bytes"] / 1e6, "bytes_up_MB": r["bytes_up"] / 1e6})
     return rows
 
@@ -220,10 +224,10 @@ def report(r: dict[str, Any]) -> str:
                   f"{steady_overhead(o)} | {o['inprocess_final_accuracy']:.4f} / {o['wire_final_accuracy']:.4f} |"
                   for o in rows]
     if "memory" in r:
-        lines += ["", "## Hub peak memory vs reporting silos (WRN-28-2, 1.47M parameters)", "",
-                  "| silos reporting | uploads received | hub peak RSS |", "|---|---|---|"]
-        lines += [f"| {x['silos_reporting']} | {x['bytes_up_MB']:.0f} MB | {x['hub_peak_rss_MB']:.0f} MB |"
-                  for x in r["memory"]]
+        lines += ["", "## Hub peak memory vs reporting silos (one round; target: flat)", "",
+                  "| model | silos reporting | uploads received | hub peak RSS |", "|---|---|---|---|"]
+        lines += [f"| {x.get('model', 'wrn28_2')} | {x['silos_reporting']} | {x['bytes_up_MB']:.1f} MB | "
+                  f"{x['hub_peak_rss_MB']:.0f} MB |" for x in r["memory"]]
     return "\n".join(lines) + "\n"
 
 
