@@ -80,6 +80,44 @@ class ActiveTask:
     open: bool = True
     privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/privacy.py)
     accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
+    rss_at_open: int | None = None  # hub RSS when the task opened, and its peak until the task closed (Linux)
+    rss_peak_collecting: int | None = None
+
+
+class RssMeter:
+    """The hub's resident memory and peak, with the kernel's peak counter restarted at each round's opening so
+    that the collection phase is measured on its own (Linux /proc; elsewhere every reading is None)."""
+
+    def __init__(self) -> None:
+        self._earlier_peak = 0  # the process peak from before the latest restart
+
+    @staticmethod
+    def _status(field_name: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field_name + ":"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            return None
+        return None
+
+    def peak(self) -> int | None:
+        return self._status("VmHWM")
+
+    def restart(self) -> int | None:
+        """Remember the peak so far, restart the kernel's peak at the current RSS and return that RSS."""
+        self._earlier_peak = max(self._earlier_peak, self.peak() or 0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak resident set size to the current one
+        except OSError:
+            return None
+        return self._status("VmRSS")
+
+    def process_peak(self) -> int:
+        usage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return max(self._earlier_peak, self.peak() or 0, usage_peak)
 
 
 @dataclass
@@ -136,6 +174,7 @@ class Hub:
         self.liveness_s = liveness_s
         self.max_upload_bytes = max_upload_bytes
         self.upload_budget = UploadBudget(max_inflight_upload_bytes)
+        self.rss_meter = RssMeter()
         self.max_update_norm = max_update_norm
         self.half_precision = half_precision
         self.evaluate = evaluate
@@ -477,6 +516,7 @@ class Hub:
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.silos), need)
                 task.accepted = task.privacy.accepted
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
+            task.rss_at_open = self.rss_meter.restart()
             with self.cond:
                 self.task, self.round, self.phase = task, r, "training"
                 self.cond.notify_all()
@@ -486,6 +526,7 @@ class Hub:
                     self.cond.wait(timeout=0.5)
                 task.open = False
                 self.phase = "aggregating"
+            task.rss_peak_collecting = self.rss_meter.peak()
             if self.privacy is not None:
                 outcome = self.privacy.complete(self, task, need)
                 if outcome is not None:
@@ -512,7 +553,11 @@ class Hub:
         if self.evaluate is not None:
             entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
         entry["round_seconds"] = time.time() - started
-        entry["hub_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        entry["hub_peak_rss_bytes"] = self.rss_meter.process_peak()
+        if task is not None and task.rss_at_open is not None and task.rss_peak_collecting is not None:
+            # What the hub held beyond its steady state while silos downloaded and uploaded (target: flat in
+            # the number of silos); the process peak above also counts start-up, evaluation and fine-tuning.
+            entry["collecting_rss_growth_bytes"] = task.rss_peak_collecting - task.rss_at_open
         if task is not None:
             reporters = len(task.reported)
             entry.update({
