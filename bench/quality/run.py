@@ -187,9 +187,10 @@ def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
     colour = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one colour per method in both panels
     fig, axes = plt.subplots(2, len(partitions), figsize=(5 * len(partitions), 7), squeeze=False)
+    first_seed = min(c["seed"] for c in cells)  # one curve per method: the seed every partition has
     for col, p in enumerate(partitions):
         for c in cells:
-            if c["partition"] != p or c["seed"] != cells[0]["seed"]:
+            if c["partition"] != p or c["seed"] != first_seed:
                 continue
             pts = [(h["round"], h["test_accuracy"]) for h in c["history"] if "test_accuracy" in h]
             axes[0][col].plot(*zip(*pts, strict=True), marker=".", label=c["method"], color=colour[c["method"]])
@@ -265,7 +266,8 @@ def save_results(path: Path, profile: str, settings: dict[str, Any], info: dict[
     with results_lock(path):
         ours = {cell_key(c) for c in cells}
         others = [c for c in previous_cells(path, settings) if cell_key(c) not in ours and keep(c)]
-        merged = cells + others
+        merged = sorted(cells + others, key=lambda c: (list(PARTITIONS).index(c["partition"]),
+                                                        METHODS.index(c["method"]), c["seed"]))
         write_json_atomic(path, {"profile": profile, "profile_settings": settings, "machine": info,
                                  "unavailable_methods": unavailable, "cells": merged})
     return merged
