@@ -14,8 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-CHUNK_BYTES = 256 << 10  # 256 KiB: far under gRPC's 4 MiB message cap, and little held per open stream (see
-#  bench/README.md, hub memory: with 1 MiB chunks, 100 silos streaming at once cost the hub up to 250 MB more)
+CHUNK_BYTES = 256 << 10  # 256 KiB: far under gRPC's 4 MiB message cap, and little held per open stream
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
