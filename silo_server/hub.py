@@ -404,13 +404,8 @@ class Hub:
             if stage == "advertise_keys" and not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
         total = int(header.get("total_bytes", 0))
-        self.validate(silo_id, lambda: validation.check_upload_size(total, self.max_upload_bytes))
-        with self.upload_budget.hold(max(total, 0), lambda: self.task is t):
-            self._receive_secagg(silo_id, t, stage, header, chunks, total)
-        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
-
-    def _receive_secagg(self, silo_id: str, t: ActiveTask, stage: str, header: dict[str, Any],
-                        chunks: Iterable[tuple[int, bytes]], total: int) -> None:
+        # Not under upload_budget: a stage message's size has no plan to be checked against, so one silo could
+        # announce wire.max_upload_bytes, hold the whole budget and stall every other upload.
         try:
             assembler = ChunkAssembler(total, self.max_upload_bytes)
             for offset, data in chunks:
@@ -432,6 +427,7 @@ class Hub:
                 self.silos[silo_id].rounds_contributed += 1
             t.bytes_up += total
             self.cond.notify_all()
+        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
 
     # ------------------------------------------------------------------ the round loop
     def live_silos(self) -> list[str]:

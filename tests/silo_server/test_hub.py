@@ -283,7 +283,7 @@ def test_an_announced_size_beyond_the_planned_tensors_is_refused_before_reading(
     hub = make_hub(tmp_path)
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
-    start_round(hub)
+    thread, out = start_round(hub)
     task = wait_task(hub, "a")
     read = []
 
@@ -297,3 +297,7 @@ def test_an_announced_size_beyond_the_planned_tensors_is_refused_before_reading(
         hub.upload("a", header, chunks())
     assert info.value.code == "RESOURCE_EXHAUSTED" and "planned tensors" in info.value.message
     assert read == [] and hub.upload_budget.held == 0 and hub.refusals == {"oversized": 1}
+    upload(hub, "a", task, result(1.0))  # the refusal cost silo a nothing: its real upload still counts
+    upload(hub, "b", wait_task(hub, "b"), result(3.0))
+    thread.join(10)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
