@@ -156,8 +156,7 @@ def check_metrics(metrics: Any) -> dict[str, float]:
 def planned_upload_bytes(expected: Mapping[str, TensorSpec]) -> int:
     """The most bytes a safetensors payload of exactly these tensors can take: their numbers plus a generous
     allowance for the JSON header (name, dtype, shape and offsets of each tensor)."""
-    data = sum(math.prod(spec.shape) * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
-               for spec in expected.values())
+    data = sum(math.prod(spec.shape) * DTYPES[spec.dtype].itemsize for spec in expected.values())
     header = sum(len(name.encode()) + 64 + 24 * len(spec.shape) for name, spec in expected.items())
     return 8 + 1024 + header + data
 
