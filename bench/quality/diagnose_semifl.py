@@ -42,14 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     sent: dict[str, float] = {}
     calls = {"n": 0}  # the first call is init_state's; call k + 1 ends round k
 
-    def measured(self, model, round_number):
+    def measured(self, model, round_number, epochs):
         spec = self.model_spec
         calls["n"] += 1
         finished = calls["n"] - 1
         if finished >= 1:  # called in finish_round: `model` is the aggregate after the momentum step
             compute_static_bn(model, clean_batches(self.data.labeled_images, spec.mean, spec.std, self.device))
             before = evaluate(model, test.images, test.labels, spec.mean, spec.std, self.device)["accuracy"]
-        loss = fine_tune(self, model, round_number)
+        loss = fine_tune(self, model, round_number, epochs)
         after = evaluate(model, test.images, test.labels, spec.mean, spec.std, self.device)["accuracy"]
         if finished >= 1:
             print(f"round {finished}: sent {sent['accuracy']:.3f}, silos' aggregate {before:.3f}, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import os
@@ -31,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from pydantic import ValidationError  # noqa: E402
 
 from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
@@ -108,6 +111,37 @@ def cell_options(method: str, profile: Profile) -> dict[str, Any]:
     chosen = {**profile.options, **profile.method_options.get(method, {})}
     return entry.options.model_validate({k: v for k, v in chosen.items() if k in entry.options.model_fields}
                                         ).model_dump(mode="json")
+
+
+def saved_options(cell: dict[str, Any]) -> dict[str, Any] | None:
+    """A saved cell's options with today's defaults filled in, so that an option added since, at its default,
+    keeps the cell; None when they no longer validate (an option since removed or renamed)."""
+    try:
+        return get_algorithm(cell["method"]).options.model_validate(cell.get("options", {})).model_dump(mode="json")
+    except ValidationError:
+        return None
+
+
+def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`--option semifl.hub_epochs=2` -> {"semifl": {"hub_epochs": 2}}; values are JSON where they parse (numbers,
+    true/false), text otherwise. Unknown methods and options are refused with the names that would work."""
+    overrides: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        method, dot, key = target.partition(".")
+        if not sep or not dot:
+            raise SystemExit(f"--option {item!r}: expected METHOD.OPTION=VALUE, e.g. semifl.hub_epochs=2")
+        if method not in ALGORITHMS:
+            raise SystemExit(f"--option {item!r}: unknown method {method!r}; one of {', '.join(sorted(ALGORITHMS))}")
+        fields = get_algorithm(method).options.model_fields
+        if key not in fields:
+            raise SystemExit(f"--option {item!r}: {method} has no option {key!r}; its options: {', '.join(fields)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        overrides.setdefault(method, {})[key] = value
+    return overrides
 
 
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
@@ -290,13 +324,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
+                   help="change one method's option for this run (repeatable); needs --out")
     args = p.parse_args(argv)
+    overrides = parse_option_overrides(args.option)
+    if overrides and args.out is None:
+        # A cell whose options differ from the folder's is dropped from it: never let an experiment wipe the table.
+        p.error("--option changes what the cells run with; give --out DIR so the profile's own results stay as they are")
     torch.set_num_threads(args.threads)
-    profile = PROFILES[args.profile]
+    profile = copy.deepcopy(PROFILES[args.profile])  # the overrides below must not leak into later calls
     if args.rounds:
         profile.rounds = args.rounds
     if args.seeds:
         profile.seeds = profile.headline_seeds = list(args.seeds)
+    for method, chosen in overrides.items():
+        profile.method_options[method] = {**profile.method_options.get(method, {}), **chosen}
     out = args.out or ROOT / "bench" / "quality" / "results" / args.profile
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -320,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     # anything else is dropped, never mixed in.
     settings = json.loads(json.dumps(profile.__dict__, default=str))
     def keep(c: dict[str, Any]) -> bool:
-        return (c["method"] in ALGORITHMS and c.get("options") == cell_options(c["method"], profile)
+        return (c["method"] in ALGORITHMS and saved_options(c) == cell_options(c["method"], profile)
                 and c.get("model", "small_cnn") == args.model)
 
     results_path = out / "results.json"

@@ -61,6 +61,7 @@ class SemiFLOptions(BaseModel):
 
     tau: float = Field(0.95, ge=0.0, le=1.0, description="confidence threshold for pseudo-labels")
     hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
+    init_epochs: int | None = Field(None, ge=0, description="hub epochs before round 1; default hub_epochs")
     local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
     hub_batch_size: int | None = Field(None, ge=2, description="B_s; default 10 for <=1000 labels, else 250")
     silo_batch_size: int = Field(10, ge=2, description="B_m")
@@ -98,13 +99,13 @@ class SemiFLHub(HubAlgorithm):
     name = "semifl"
     options: SemiFLOptions
 
-    def _server_update(self, model: nn.Module, round_number: int) -> float:
+    def _server_update(self, model: nn.Module, round_number: int, epochs: int) -> float:
         o, spec = self.options, self.model_spec
         return hub_update(
             model,
             self.data.labeled_images,
             self.data.labeled_labels,
-            epochs=o.hub_epochs,
+            epochs=epochs,
             batch_size=o.hub_batch(len(self.data.labeled_labels)),
             lr=cosine_lr(o.lr, round_number, self.total_rounds, o.lr_schedule),
             opt=o.optimizer(),
@@ -118,7 +119,8 @@ class SemiFLHub(HubAlgorithm):
     def init_state(self) -> HubState:
         torch.manual_seed(self.seed)
         model = self.model_spec.build()
-        loss = self._server_update(model, round_number=1)
+        o = self.options
+        loss = self._server_update(model, 1, o.hub_epochs if o.init_epochs is None else o.init_epochs)
         momentum = {f"momentum/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
         return HubState(round=0, tensors={**model_tensors(model), **momentum}, meta={"hub_loss": loss})
 
@@ -152,7 +154,7 @@ class SemiFLHub(HubAlgorithm):
                     buf = o.global_momentum * tensors[f"momentum/{name}"] + g
                     tensors[f"momentum/{name}"] = buf
                     param.sub_(o.global_lr * buf)
-        hub_loss = self._server_update(model, round_number=min(r + 1, self.total_rounds))
+        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs)
         tensors.update(model_tensors(model))
         metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight}
         metrics.update(pseudo_label_metrics(summed_metrics))

@@ -31,7 +31,7 @@ class ServerOnlyHub(SemiFLHub):
     ) -> tuple[HubState, dict[str, float]]:
         r = state.round + 1
         model = load_model(self.model_spec, state.tensors)
-        hub_loss = self._server_update(model, round_number=min(r + 1, self.total_rounds))
+        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), self.options.hub_epochs)
         tensors = {**state.tensors, **model_tensors(model)}
         return HubState(round=r, tensors=tensors, meta=dict(state.meta)), {"hub_loss": hub_loss}
 

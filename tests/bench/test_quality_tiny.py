@@ -1,5 +1,6 @@
 """The suite only checks that the quality benchmark's tiny profile runs end to end; numbers live in bench/."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -49,3 +50,52 @@ def test_two_runs_sharing_an_output_folder_split_the_cells_between_them(tmp_path
     results = json.loads((tmp_path / "results.json").read_text())
     assert sorted(c["method"] for c in results["cells"]) == ["semifl", "server-only"]
     assert list((tmp_path / "running").iterdir()) == []  # claims are released once a cell is saved
+
+
+def load_quality_module():
+    spec = importlib.util.spec_from_file_location("quality_run", ROOT / "bench" / "quality" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
+    quality = load_quality_module()
+    assert quality.parse_option_overrides(["semifl.hub_epochs=2", "semifl.lr_schedule=constant",
+                                           "fedseal.theta=0.1"]) == {
+        "semifl": {"hub_epochs": 2, "lr_schedule": "constant"}, "fedseal": {"theta": 0.1}}
+    with pytest.raises(SystemExit, match="semifl has no option 'hub_epoch'.*hub_epochs"):
+        quality.parse_option_overrides(["semifl.hub_epoch=2"])
+    with pytest.raises(SystemExit, match="unknown method 'semifll'"):
+        quality.parse_option_overrides(["semifll.tau=0.5"])
+    with pytest.raises(SystemExit, match="expected METHOD.OPTION=VALUE"):
+        quality.parse_option_overrides(["tau=0.5"])
+
+
+def test_a_saved_cell_survives_an_option_added_later_at_its_default():
+    quality = load_quality_module()
+    profile = quality.PROFILES["full"]
+    current = quality.cell_options("semifl", profile)
+    older = {k: v for k, v in current.items() if k != "init_epochs"}  # saved before init_epochs existed
+    assert quality.saved_options({"method": "semifl", "options": older}) == current
+    assert quality.saved_options({"method": "semifl", "options": {**current, "hub_epochs": 1}}) != current
+    assert quality.saved_options({"method": "semifl", "options": {**current, "removed_knob": 1}}) is None
+
+
+def test_option_override_needs_its_own_output_folder():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+                           "--option", "semifl.tau=0.5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give --out DIR" in proc.stderr
+
+
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
+    command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny", "--methods", "semifl",
+               "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2",
+               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert (cell["options"]["hub_epochs"], cell["options"]["init_epochs"]) == (1, 4)
+    assert cell["options"]["local_epochs"] == 1  # the profile's other choices stay

@@ -79,6 +79,22 @@ def test_no_contribution_leaves_the_model_to_the_hub_fine_tune_only():
             assert torch.equal(v, state1.tensors[k])
 
 
+def test_init_epochs_set_the_warm_up_before_round_1_and_hub_epochs_every_round_after(monkeypatch):
+    hub = tiny_hub({"hub_epochs": 2, "init_epochs": 5})
+    epochs_run = []
+    real = hub._server_update
+    monkeypatch.setattr(hub, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
+    state = hub.init_state()
+    hub.finish_round(state, {}, {})
+    assert epochs_run == [5, 2]
+    epochs_run.clear()
+    default = tiny_hub({"hub_epochs": 3})  # no init_epochs: the warm-up is hub_epochs long, as in the paper
+    real = default._server_update
+    monkeypatch.setattr(default, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
+    default.finish_round(default.init_state(), {}, {})
+    assert epochs_run == [3, 3]
+
+
 def test_pseudo_label_metrics_from_summed_counts():
     m = pseudo_label_metrics({"pl_total": 200.0, "pl_selected": 50.0, "pl_correct": 40.0})
     assert m == {"pseudo_label_ratio": 0.25, "pseudo_label_accuracy": 0.8}
