@@ -5,12 +5,20 @@ The objects are the very ones the deployment runs behind gRPC; only transport is
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from silo_core.algorithms.base import HubAlgorithm, HubState, SiloAlgorithm, SiloData
+import torch
+
+from silo_core.algorithms import get_algorithm
+from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
+from silo_core.data import load_labeled_folder, load_unlabeled_folder
+from silo_core.models import ModelSpec
+from silo_core.training import evaluate as evaluate_model
 from silo_server.aggregate import RunningSum
 
 
@@ -51,3 +59,28 @@ def run_inprocess(
         if on_round is not None:
             on_round(entry)
     return state, history
+
+
+def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int = 0,
+                  model: str = "small_cnn", device: torch.device | None = None) -> list[dict[str, Any]]:
+    """The rounds a silo-sim run staged in `work` took over the wire, again in one process: the same images (its
+    PNG files), silo names (they seed each silo's randomness), options and seed, every silo in every round (the
+    hub's sampling of a fraction is its own). Returns every round's metrics with the test accuracy."""
+    work, device = Path(work), device or torch.device("cpu")
+    entry = get_algorithm(method)
+    opts = entry.options.model_validate(options)
+    labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
+    test = load_labeled_folder(work / "hub" / "test", 28, 1)
+    validation = load_labeled_folder(work / "hub" / "validation", 28, 1) if (work / "hub" / "validation").is_dir() else None
+    silos = []
+    for folder in sorted((work / "silos").iterdir()):
+        images = load_unlabeled_folder(folder / "images", 28, 1).images
+        true_labels = torch.tensor(json.loads((folder / "labels.json").read_text()), dtype=torch.int64)
+        silos.append(SiloData(images=images, true_labels=true_labels, silo_id=folder.name))
+    spec = ModelSpec(name=model, num_classes=len(test.classes))
+    hub_data = HubData(labeled.images, labeled.labels, *((validation.images, validation.labels) if validation else ()))
+    hub = entry.hub(opts, spec, hub_data, device, seed, rounds)
+    silo = entry.silo(opts, spec, device) if entry.silo is not None else None
+    _, history = run_inprocess(hub, silo, silos, rounds, 1.0, seed, evaluate=lambda state: evaluate_model(
+        hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device))
+    return history

@@ -21,7 +21,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,8 @@ from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import MODELS, ModelSpec  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
-from silo_sim.inprocess import run_inprocess  # noqa: E402
+from silo_sim.cli import DEMO_OPTIONS  # noqa: E402
+from silo_sim.inprocess import replay_staged, run_inprocess  # noqa: E402
 
 METHODS = ["server-only", "fedavg-fixmatch", "semifl", "fedseal", "hassle", "supervised"]
 PARTITIONS = {"iid": {"scheme": "iid"}, "dir0.3": {"scheme": "dirichlet", "alpha": 0.3},
@@ -184,6 +187,55 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
             "seconds": time.time() - started, "options": cell_options(method, profile), "model": model, "history": history}
 
 
+def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, unlabeled: int = 1200
+               ) -> dict[str, Any]:
+    """One small cell run both ways from one staged folder (the bundled Fashion-MNIST subset as PNG files, every
+    silo in every round, on the CPU): through silo-sim (hub and silo processes, gRPC, mutual TLS) and in one process
+    the way every table cell runs. Equal accuracies per round show that the table's shortcut skips only transport."""
+    fields = get_algorithm(method).options.model_fields
+    chosen = {k: v for k, v in {**profile.options, **profile.method_options.get(method, {})}.items() if k in fields}
+    with tempfile.TemporaryDirectory() as tmp:
+        work, out = Path(tmp) / "work", Path(tmp) / "out"
+        command = [sys.executable, "-m", "silo_sim.cli", "--algorithm", method, "--silos", str(silos),
+                   "--rounds", str(rounds), "--unlabeled", str(unlabeled), "--workers", "1", "--seed", "0",
+                   "--device", "cpu", "--workdir", str(work), "--out", str(out), "--no-baseline",
+                   *[arg for k, v in chosen.items() for arg in ("--option", f"{k}={json.dumps(v)}")]]
+        started = time.time()
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode != 0:
+            raise SystemExit(f"wire check: silo-sim failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        wire_seconds = time.time() - started
+        wire = [r["test_accuracy"] for r in json.loads((out / "summary.json").read_text())["rounds"]]
+        # silo-sim's hub and its one worker each use every core; so must this side, or sums run in another order.
+        torch.set_num_threads(os.cpu_count() or 1)
+        started = time.time()
+        history = replay_staged(work, method, {**DEMO_OPTIONS.get(method, {}), **chosen}, rounds)
+        local = [h["test_accuracy"] for h in history]
+    return {"method": method, "silos": silos, "rounds": rounds, "unlabeled": unlabeled, "options": chosen,
+            "wire_accuracy": wire, "inprocess_accuracy": local, "wire_seconds": wire_seconds,
+            "inprocess_seconds": time.time() - started,
+            "max_abs_difference": max(abs(a - b) for a, b in zip(wire, local, strict=True)), "machine": machine()}
+
+
+def write_table(out: Path, cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any],
+                unavailable: list[str] = ()) -> str:
+    """table.md: the accuracy table, plus the wire check's line when the folder has one."""
+    table = markdown_table(cells, profile_name, machine_info)
+    if unavailable:
+        table += f"\nNot yet available in this build: {', '.join(unavailable)}.\n"
+    if (out / "wire_check.json").exists():
+        table += "\n" + wire_check_line(json.loads((out / "wire_check.json").read_text()))
+    (out / "table.md").write_text(table)
+    return table
+
+
+def wire_check_line(check: dict[str, Any]) -> str:
+    return (f"Wire check ({check['method']}, {check['silos']} silos, {check['rounds']} rounds, the bundled subset): "
+            f"final accuracy {100 * check['inprocess_accuracy'][-1]:.2f}% in one process, "
+            f"{100 * check['wire_accuracy'][-1]:.2f}% through silo-sim over gRPC + mutual TLS; largest difference "
+            f"in any round {100 * check['max_abs_difference']:.2f} points.\n")
+
+
 def machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available()}
@@ -320,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="*", help="override the profile's seeds (every partition)")
     p.add_argument("--fresh", action="store_true", help="ignore cells already in the output's results.json")
     p.add_argument("--replot", action="store_true", help="only redraw table.md and curves.png from results.json")
+    p.add_argument("--wire-check", nargs="?", const="semifl", metavar="METHOD",
+                   help="only run one small cell of METHOD (default semifl) with the profile's options both in one "
+                        "process and through silo-sim over gRPC + mutual TLS, and record both (wire_check.json)")
     p.add_argument("--model", choices=list(MODELS), default="small_cnn",
                    help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
     p.add_argument("--device", default="auto")
@@ -341,10 +396,17 @@ def main(argv: list[str] | None = None) -> int:
         profile.method_options[method] = {**profile.method_options.get(method, {}), **chosen}
     out = args.out or ROOT / "bench" / "quality" / "results" / args.profile
     out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        saved = json.loads((out / "results.json").read_text())
-        (out / "table.md").write_text(markdown_table(saved["cells"], saved["profile"], saved["machine"]))
-        plot_curves(saved["cells"], out / "curves.png")
+    if args.wire_check:
+        if args.wire_check not in ALGORITHMS:
+            p.error(f"--wire-check {args.wire_check}: unknown method; one of {', '.join(sorted(ALGORITHMS))}")
+        check = wire_check(args.wire_check, profile)
+        write_json_atomic(out / "wire_check.json", check)
+        print(wire_check_line(check), end="")
+    if args.replot or args.wire_check:
+        if (out / "results.json").exists():
+            saved = json.loads((out / "results.json").read_text())
+            write_table(out, saved["cells"], saved["profile"], saved["machine"])
+            plot_curves(saved["cells"], out / "curves.png")
         return 0
     device = resolve_device(args.device)
     train = load_torchvision("FashionMNIST", args.data_root, True, 28, 1)
@@ -390,10 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     claim.unlink(missing_ok=True)
     cells = save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
-    table = markdown_table(cells, args.profile, info)
-    if unavailable:
-        table += f"\nNot yet available in this build: {', '.join(unavailable)}.\n"
-    (out / "table.md").write_text(table)
+    table = write_table(out, cells, args.profile, info, unavailable)
     plot_curves(cells, out / "curves.png")
     print(table)
     return 0

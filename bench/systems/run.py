@@ -126,26 +126,11 @@ def median_total(runs: list[list[float]], first_round: int = 1) -> float:
 
 def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
     """The rounds silo-sim ran from `work`, in one process: the same staged data, options and seed."""
-    from silo_core.algorithms.base import HubData, SiloData
-    from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
-    from silo_core.data import load_labeled_folder, load_unlabeled_folder
-    from silo_core.training import evaluate
     from silo_sim.cli import DEMO_OPTIONS
-    from silo_sim.inprocess import run_inprocess
+    from silo_sim.inprocess import replay_staged
 
     torch.set_num_threads(os.cpu_count() or 1)
-    cpu = torch.device("cpu")
-    labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
-    test = load_labeled_folder(work / "hub" / "test", 28, 1)
-    silo_data = [SiloData(images=load_unlabeled_folder(d / "images", 28, 1).images, silo_id=d.name)
-                 for d in sorted((work / "silos").iterdir())]
-    opts = SemiFLOptions.model_validate(DEMO_OPTIONS["semifl"])
-    spec = ModelSpec(num_classes=10)
-    hub = SemiFLHub(opts, spec, HubData(labeled.images, labeled.labels), cpu, 0, rounds)
-    _, history = run_inprocess(hub, SemiFLSilo(opts, spec, cpu), silo_data, rounds,
-                               evaluate=lambda s: evaluate(hub.served_model(s), test.images, test.labels,
-                                                           spec.mean, spec.std, cpu))
-    return history
+    return replay_staged(work, "semifl", DEMO_OPTIONS["semifl"], rounds)
 
 
 def bench_memory(runs=(("wrn28_2", 10), ("wrn28_2", 50), ("wrn28_2", 100), ("small_cnn", 10), ("small_cnn", 100))

@@ -99,3 +99,19 @@ def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
     assert (cell["options"]["hub_epochs"], cell["options"]["init_epochs"]) == (1, 4)
     assert cell["options"]["local_epochs"] == 1  # the profile's other choices stay
+
+
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_wire_check_gets_the_same_accuracy_in_process_and_through_silo_sim(tmp_path):
+    """The table's cells skip only transport: one small cell through hub and silo processes over gRPC + mutual TLS
+    and the same cell in one process, from the same PNG files, end on the same numbers in every round."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+                           "--wire-check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = json.loads((tmp_path / "wire_check.json").read_text())
+    assert check["method"] == "semifl" and check["options"]["tau"] == 0.5  # the tiny profile's options
+    assert len(check["wire_accuracy"]) == len(check["inprocess_accuracy"]) == check["rounds"] == 3
+    assert 0.1 < check["wire_accuracy"][-1] <= 1.0
+    # Same kernels, same thread count, float64 sums at the hub: not close, equal.
+    assert check["wire_accuracy"] == check["inprocess_accuracy"] and check["max_abs_difference"] == 0.0
+    assert "Wire check (semifl, 4 silos, 3 rounds" in proc.stdout
