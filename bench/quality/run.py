@@ -7,6 +7,8 @@ runs the very algorithm objects the deployment runs, in-process (silo_sim/inproc
     python bench/quality/run.py --profile quick          # the whole table in about 10 minutes on 2 CPU cores
     python bench/quality/run.py --profile full           # the real table (hours on a CPU; uses CUDA when present)
     python bench/quality/run.py --profile tiny           # seconds: what the test suite runs
+    python bench/quality/run.py --profile full --wire-check   # one small cell in-process and over the wire
+    python bench/quality/run.py ... --out DIR --option semifl.tau=0.8   # an ablation, in its own folder
 
 Writes results/<profile>/results.json (every round's metrics), table.md and curves.png.
 """
