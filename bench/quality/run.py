@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,8 +45,8 @@ from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import MODELS, ModelSpec  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
-from silo_sim.cli import DEMO_OPTIONS  # noqa: E402
-from silo_sim.inprocess import replay_staged, run_inprocess  # noqa: E402
+from silo_sim.cli import DEMO_OPTIONS, parse_options  # noqa: E402
+from silo_sim.inprocess import replay_staged, run_inprocess, run_silo_sim  # noqa: E402
 
 METHODS = ["server-only", "fedavg-fixmatch", "semifl", "fedseal", "hassle", "supervised"]
 PARTITIONS = {"iid": {"scheme": "iid"}, "dir0.3": {"scheme": "dirichlet", "alpha": 0.3},
@@ -129,7 +128,8 @@ def saved_options(cell: dict[str, Any]) -> dict[str, Any] | None:
 
 def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
     """`--option semifl.hub_epochs=2` -> {"semifl": {"hub_epochs": 2}}; values are JSON where they parse (numbers,
-    true/false), text otherwise. Unknown methods and options are refused with the names that would work."""
+    true/false), text otherwise. Unknown methods and options are refused with the names that would work, bad
+    values with what the option takes."""
     overrides: dict[str, dict[str, Any]] = {}
     for item in items:
         target, sep, text = item.partition("=")
@@ -141,11 +141,13 @@ def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
         fields = get_algorithm(method).options.model_fields
         if key not in fields:
             raise SystemExit(f"--option {item!r}: {method} has no option {key!r}; its options: {', '.join(fields)}")
+        overrides.setdefault(method, {}).update(parse_options([f"{key}={text}"]))  # silo-sim's own value rules
+    for method, chosen in overrides.items():
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        overrides.setdefault(method, {})[key] = value
+            get_algorithm(method).options.model_validate(chosen)
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise SystemExit(f"--option for {method}: {problems}") from None
     return overrides
 
 
@@ -197,19 +199,17 @@ def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, u
     fields = get_algorithm(method).options.model_fields
     chosen = {k: v for k, v in {**profile.options, **profile.method_options.get(method, {})}.items() if k in fields}
     with tempfile.TemporaryDirectory() as tmp:
-        work, out = Path(tmp) / "work", Path(tmp) / "out"
-        command = [sys.executable, "-m", "silo_sim.cli", "--algorithm", method, "--silos", str(silos),
-                   "--rounds", str(rounds), "--unlabeled", str(unlabeled), "--workers", "1", "--seed", "0",
-                   "--device", "cpu", "--workdir", str(work), "--out", str(out), "--no-baseline",
-                   *[arg for k, v in chosen.items() for arg in ("--option", f"{k}={json.dumps(v)}")]]
+        work = Path(tmp) / "work"
         started = time.time()
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if proc.returncode != 0:
-            raise SystemExit(f"wire check: silo-sim failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        try:
+            summary = run_silo_sim(work, Path(tmp) / "out", [
+                "--algorithm", method, "--silos", str(silos), "--rounds", str(rounds), "--unlabeled", str(unlabeled),
+                "--workers", "1", "--seed", "0", "--device", "cpu",
+                *[arg for k, v in chosen.items() for arg in ("--option", f"{k}={json.dumps(v)}")]])
+        except RuntimeError as err:
+            raise SystemExit(f"wire check: {err}") from None
         wire_seconds = time.time() - started
-        wire = [r["test_accuracy"] for r in json.loads((out / "summary.json").read_text())["rounds"]]
-        # silo-sim's hub and its one worker each use every core; so must this side, or sums run in another order.
-        torch.set_num_threads(os.cpu_count() or 1)
+        wire = [r["test_accuracy"] for r in summary["rounds"]]
         started = time.time()
         history = replay_staged(work, method, {**DEMO_OPTIONS.get(method, {}), **chosen}, rounds)
         local = [h["test_accuracy"] for h in history]

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,13 +58,9 @@ def bench_codec(repeats: int = 3) -> list[dict[str, Any]]:
 
 
 def run_sim(workdir: Path, *extra: str) -> dict[str, Any]:
-    out = workdir / "out"
-    cmd = [sys.executable, "-m", "silo_sim.cli", "--workdir", str(workdir / "work"), "--out", str(out),
-           "--no-baseline", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"silo-sim failed: {proc.stderr[-2000:]}")
-    return json.loads((out / "summary.json").read_text())
+    from silo_sim.inprocess import run_silo_sim
+
+    return run_silo_sim(workdir / "work", workdir / "out", list(extra))
 
 
 def bench_bytes() -> list[dict[str, Any]]:
@@ -129,7 +124,6 @@ def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
     from silo_sim.cli import DEMO_OPTIONS
     from silo_sim.inprocess import replay_staged
 
-    torch.set_num_threads(os.cpu_count() or 1)
     return replay_staged(work, "semifl", DEMO_OPTIONS["semifl"], rounds)
 
 
