@@ -71,6 +71,8 @@ def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
         quality.parse_option_overrides(["semifll.tau=0.5"])
     with pytest.raises(SystemExit, match="expected METHOD.OPTION=VALUE"):
         quality.parse_option_overrides(["tau=0.5"])
+    with pytest.raises(SystemExit, match="--option for semifl: tau: Input should be a valid number"):
+        quality.parse_option_overrides(["semifl.tau=x"])
 
 
 def test_a_saved_cell_survives_an_option_added_later_at_its_default():
