@@ -30,8 +30,9 @@ def share_malloc_arenas() -> None:
     """glibc gives each thread that allocates its own heap ("arena") and keeps what is freed there for that thread.
     Every gRPC thread that ever received a multi-MB upload then keeps about one upload's worth of memory: the hub's
     RSS grew by 548 MB from 10 to 100 silos with WRN-28-2 (bench/systems). Two shared arenas let freed upload
-    buffers be reused by whichever thread receives next (bench/README.md, hub memory, has the current numbers). (Forcing large buffers to mmap instead, tried
-    first, gives them back to the OS but page-faults every large tensor: evaluation ran 1.8x slower.)
+    buffers be reused by whichever thread receives next (bench/README.md, hub memory, has the current numbers).
+    (Forcing large buffers to mmap instead, tried first, gives them back to the OS but page-faults every large
+    tensor: evaluation ran 1.8x slower.)
     No-op where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
