@@ -45,7 +45,7 @@ from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import MODELS, ModelSpec  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
-from silo_sim.cli import DEMO_OPTIONS, parse_options  # noqa: E402
+from silo_sim.cli import parse_options  # noqa: E402
 from silo_sim.inprocess import replay_staged, run_inprocess, run_silo_sim  # noqa: E402
 
 METHODS = ["server-only", "fedavg-fixmatch", "semifl", "fedseal", "hassle", "supervised"]
@@ -196,8 +196,9 @@ def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, u
     """One small cell run both ways from one staged folder (the bundled Fashion-MNIST subset as PNG files, every
     silo in every round, on the CPU): through silo-sim (hub and silo processes, gRPC, mutual TLS) and in one process
     the way every table cell runs. Equal accuracies per round show that the table's shortcut skips only transport."""
-    fields = get_algorithm(method).options.model_fields
-    chosen = {k: v for k, v in {**profile.options, **profile.method_options.get(method, {})}.items() if k in fields}
+    # Every option, defaults included: silo-sim fills options not given with its demo values (a constant learning
+    # rate, for one), which the table's cells do not use.
+    chosen = cell_options(method, profile)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "work"
         started = time.time()
@@ -209,9 +210,12 @@ def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, u
         except RuntimeError as err:
             raise SystemExit(f"wire check: {err}") from None
         wire_seconds = time.time() - started
+        ran = saved_options({"method": method, "options": summary["settings"]["algorithm_options"]})
+        if ran != chosen:
+            raise SystemExit(f"wire check: silo-sim's hub ran {method} with {ran}, not the profile's {chosen}")
         wire = [r["test_accuracy"] for r in summary["rounds"]]
         started = time.time()
-        history = replay_staged(work, method, {**DEMO_OPTIONS.get(method, {}), **chosen}, rounds)
+        history = replay_staged(work, method, chosen, rounds)
         local = [h["test_accuracy"] for h in history]
     return {"method": method, "silos": silos, "rounds": rounds, "unlabeled": unlabeled, "options": chosen,
             "wire_accuracy": wire, "inprocess_accuracy": local, "wire_seconds": wire_seconds,

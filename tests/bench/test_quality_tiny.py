@@ -112,6 +112,11 @@ def test_wire_check_gets_the_same_accuracy_in_process_and_through_silo_sim(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = json.loads((tmp_path / "wire_check.json").read_text())
     assert check["method"] == "semifl" and check["options"]["tau"] == 0.5  # the tiny profile's options
+    # ... all of them, defaults included, on both sides (silo-sim would fill gaps with its demo values, such as a
+    # constant learning rate where the table's cells use the cosine schedule)
+    quality = load_quality_module()
+    assert check["options"] == quality.cell_options("semifl", quality.PROFILES["tiny"])
+    assert check["options"]["lr_schedule"] == "cosine"
     assert len(check["wire_accuracy"]) == len(check["inprocess_accuracy"]) == check["rounds"] == 3
     assert 0.1 < check["wire_accuracy"][-1] <= 1.0
     # Same kernels, same thread count, float64 sums at the hub: not close, equal.
