@@ -77,6 +77,12 @@ SAME_BUDGET: dict[str, dict[str, Any]] = {
                "hub_batch_size": 16},
 }
 
+# The one setting tuned on this benchmark rather than taken from a paper: SemiFL's pseudo-label threshold. The
+# paper's 0.95 lets through only the easy images of the easy classes here (59% pass, 94.5% right in round 100);
+# 0.8 lets 77% through at 89% right and lifted the hub 1 point more on three seeds, while 0.7 and 0.6 did no
+# better (bench/README.md, ablations).
+TUNED: dict[str, dict[str, Any]] = {"semifl": {"tau": 0.8}}
+
 PROFILES = {
     # A few seconds: proves the harness runs end to end (the test suite runs this).
     "tiny": Profile(rounds=2, num_silos=4, silos_per_round=1.0, unlabeled_limit=400, test_limit=500, seeds=[0],
@@ -88,7 +94,7 @@ PROFILES = {
                      headline_seeds=[0], eval_every=3,
                      options={"hub_epochs": 3, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16},
                      method_options={m: {**o, **({"hub_warmup_epochs": 3, "hub_epochs": 3} if m == "hassle" else {})}
-                                     for m, o in SAME_BUDGET.items()}),
+                                     for m, o in {**SAME_BUDGET, **TUNED}.items()}),
     # The real table: 100 silos, 10% per round, every training image not held by the hub; several seeds for the
     # headline row; 100 rounds (every IID curve was flat from round 70 on, see bench/README.md). One training
     # budget for every method, SemiFL's (SGD lr 0.03 with a cosine schedule over the run, 5 hub epochs on the
@@ -99,7 +105,7 @@ PROFILES = {
     "full": Profile(rounds=100, num_silos=100, silos_per_round=0.1, unlabeled_limit=None, test_limit=None,
                     seeds=[0], headline_seeds=[0, 1, 2], eval_every=10,
                     options={"local_epochs": 2, "silo_batch_size": 32, "hub_batch_size": 16},
-                    method_options=SAME_BUDGET),
+                    method_options={**SAME_BUDGET, **TUNED}),
 }
 
 
