@@ -9,6 +9,7 @@ runs the very algorithm objects the deployment runs, in-process (silo_sim/inproc
     python bench/quality/run.py --profile tiny           # seconds: what the test suite runs
     python bench/quality/run.py --profile full --wire-check   # one small cell in-process and over the wire
     python bench/quality/run.py ... --out DIR --option semifl.tau=0.8   # an ablation, in its own folder
+    python bench/quality/run.py ... --out DIR --width 32                # a wider small_cnn, in its own folder
 
 Writes results/<profile>/results.json (every round's metrics), table.md and curves.png.
 """
@@ -42,7 +43,7 @@ from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
-from silo_core.models import MODELS, ModelSpec  # noqa: E402
+from silo_core.models import MODELS, ModelSpec, count_parameters  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
@@ -158,7 +159,7 @@ def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
-             model: str = "small_cnn") -> dict[str, Any]:
+             model: str = "small_cnn", model_options: dict[str, Any] | None = None) -> dict[str, Any]:
     entry = get_algorithm(method)
     options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
@@ -169,7 +170,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         rest = rest[: profile.unlabeled_limit]
     parts = make_partition(labels[rest], profile.num_silos, PARTITIONS[partition]["scheme"], seed,
                            **{k: v for k, v in PARTITIONS[partition].items() if k != "scheme"})
-    spec = ModelSpec(name=model, num_classes=len(train.classes))
+    spec = ModelSpec(name=model, num_classes=len(train.classes), options=dict(model_options or {}))
     hub_data = HubData(train.images[hub_idx], train.labels[hub_idx], train.images[val_idx], train.labels[val_idx])
     torch.manual_seed(seed)
     hub = entry.hub(options, spec, hub_data, device, seed, profile.rounds)
@@ -194,7 +195,9 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
     _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
     final = history[-1]
     return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
-            "seconds": time.time() - started, "options": cell_options(method, profile), "model": model, "history": history}
+            "seconds": time.time() - started, "options": cell_options(method, profile), "model": model,
+            **({"model_options": model_options} if model_options else {}),
+            "parameters": count_parameters(spec.build()), "history": history}
 
 
 def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, unlabeled: int = 1200
@@ -389,15 +392,21 @@ def main(argv: list[str] | None = None) -> int:
                         "process and through silo-sim over gRPC + mutual TLS, and record both (wire_check.json)")
     p.add_argument("--model", choices=list(MODELS), default="small_cnn",
                    help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
+    p.add_argument("--width", type=int, help="small_cnn's channel width (default 16; 32 costs 2.4x per step); "
+                   "needs --out")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
                    help="change one method's option for this run (repeatable); needs --out")
     args = p.parse_args(argv)
     overrides = parse_option_overrides(args.option)
-    if overrides and args.out is None:
+    if args.width is not None and (args.model != "small_cnn" or args.width < 1):
+        p.error(f"--width {args.width}: a positive channel width, for --model small_cnn only")
+    model_options = {"width": args.width} if args.width is not None else {}
+    if (overrides or model_options) and args.out is None:
         # A cell whose options differ from the folder's is dropped from it: never let an experiment wipe the table.
-        p.error("--option changes what the cells run with; give --out DIR so the profile's own results stay as they are")
+        p.error("--option and --width change what the cells run with; give --out DIR so the profile's own results "
+                "stay as they are")
     torch.set_num_threads(args.threads)
     profile = copy.deepcopy(PROFILES[args.profile])  # the overrides below must not leak into later calls
     if args.rounds:
@@ -437,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = json.loads(json.dumps(profile.__dict__, default=str))
     def keep(c: dict[str, Any]) -> bool:
         return (c["method"] in ALGORITHMS and saved_options(c) == cell_options(c["method"], profile)
-                and c.get("model", "small_cnn") == args.model)
+                and c.get("model", "small_cnn") == args.model and c.get("model_options", {}) == model_options)
 
     results_path = out / "results.json"
     if args.fresh:
@@ -455,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 if claim is None:
                     continue
                 try:
-                    cell = run_cell(method, part, seed, profile, train, test, device, args.model)
+                    cell = run_cell(method, part, seed, profile, train, test, device, args.model, model_options)
                     cell["machine"] = info
                     cells.append(cell)
                     print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "

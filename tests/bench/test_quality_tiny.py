@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from silo_core.models import ModelSpec, count_parameters
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 
@@ -85,22 +87,31 @@ def test_a_saved_cell_survives_an_option_added_later_at_its_default():
     assert quality.saved_options({"method": "semifl", "options": {**current, "removed_knob": 1}}) is None
 
 
-def test_option_override_needs_its_own_output_folder():
+def test_option_or_width_override_needs_its_own_output_folder():
+    for change in (["--option", "semifl.tau=0.5"], ["--width", "32"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+                               *change], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "give --out DIR" in proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
-                           "--option", "semifl.tau=0.5"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "give --out DIR" in proc.stderr
+                           "--model", "wrn28_2", "--width", "32", "--out", "unused"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "for --model small_cnn only" in proc.stderr
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
 def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny", "--methods", "semifl",
                "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2",
-               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4"]
+               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4", "--width", "8"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
     assert (cell["options"]["hub_epochs"], cell["options"]["init_epochs"]) == (1, 4)
     assert cell["options"]["local_epochs"] == 1  # the profile's other choices stay
+    # The narrower model is the one that trained: 8 channels instead of 16, about a quarter of the parameters.
+    assert cell["model_options"] == {"width": 8}
+    narrow, default = (count_parameters(ModelSpec(options=o).build()) for o in ({"width": 8}, {}))
+    assert cell["parameters"] == narrow and narrow < default / 3
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
