@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.width is not None and (args.model != "small_cnn" or args.width < 1):
         p.error(f"--width {args.width}: a positive channel width, for --model small_cnn only")
     model_options = {"width": args.width} if args.width is not None else {}
+    if args.wire_check and (model_options or args.model != "small_cnn"):
+        p.error("--wire-check runs the default small_cnn on the CPU; leave out --model and --width")
     if (overrides or model_options) and args.out is None:
         # A cell whose options differ from the folder's is dropped from it: never let an experiment wipe the table.
         p.error("--option and --width change what the cells run with; give --out DIR so the profile's own results "

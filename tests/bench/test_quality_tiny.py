@@ -96,6 +96,10 @@ def test_option_or_width_override_needs_its_own_output_folder():
                            "--model", "wrn28_2", "--width", "32", "--out", "unused"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "for --model small_cnn only" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+                           "--wire-check", "--width", "32", "--out", "unused"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "leave out --model and --width" in proc.stderr
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
