@@ -259,12 +259,20 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def model_name(cell: dict[str, Any]) -> str:
+    """"small_cnn", "small_cnn width 32, 131,178 parameters": what a cell trained (older cells lack the count)."""
+    options = " ".join(f"{k} {v}" for k, v in sorted(cell.get("model_options", {}).items()))
+    count = f", {cell['parameters']:,} parameters" if "parameters" in cell else ""
+    return f"{cell.get('model', 'small_cnn')}{' ' + options if options else ''}{count}"
+
+
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
     lines = [f"Test accuracy (%), profile `{profile_name}`, mean ± std over seeds (n = seeds).",
              f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
-             + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".", "",
+             + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
+             f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.", "",
              "| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
     for m in methods:
         row = []

@@ -116,6 +116,7 @@ def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     assert cell["model_options"] == {"width": 8}
     narrow, default = (count_parameters(ModelSpec(options=o).build()) for o in ({"width": 8}, {}))
     assert cell["parameters"] == narrow and narrow < default / 3
+    assert f"Model: small_cnn width 8, {narrow:,} parameters." in (tmp_path / "table.md").read_text()
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
