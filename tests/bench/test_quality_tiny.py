@@ -88,18 +88,13 @@ def test_a_saved_cell_survives_an_option_added_later_at_its_default():
 
 
 def test_option_or_width_override_needs_its_own_output_folder():
-    for change in (["--option", "semifl.tau=0.5"], ["--width", "32"]):
+    refused = [(["--option", "semifl.tau=0.5"], "give --out DIR"), (["--width", "32"], "give --out DIR"),
+               (["--model", "wrn28_2", "--width", "32", "--out", "unused"], "for --model small_cnn only"),
+               (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model and --width")]
+    for change, message in refused:
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
                                *change], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and "give --out DIR" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
-                           "--model", "wrn28_2", "--width", "32", "--out", "unused"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "for --model small_cnn only" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
-                           "--wire-check", "--width", "32", "--out", "unused"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "leave out --model and --width" in proc.stderr
+        assert proc.returncode == 2 and message in proc.stderr
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
