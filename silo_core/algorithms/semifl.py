@@ -60,6 +60,11 @@ class SemiFLOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tau: float = Field(0.95, ge=0.0, le=1.0, description="confidence threshold for pseudo-labels")
+    threshold_rule: Literal["fixed", "flexmatch", "freematch"] = Field(
+        "fixed",
+        description="fixed: tau for every class (paper); flexmatch: tau scaled down for classes whose images "
+        "rarely pass it; freematch: mean confidence scaled by each class's mean probability (ignores tau)",
+    )
     hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
     init_epochs: int | None = Field(None, ge=0, description="hub epochs before round 1; default hub_epochs")
     local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
@@ -175,10 +180,36 @@ def pseudo_label_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def select_confident(probs: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hard pseudo-labels and the mask of those whose confidence reaches tau (eq. 3)."""
+def select_confident(probs: torch.Tensor, tau: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hard pseudo-labels and the mask of those whose confidence reaches tau (eq. 3); tau may be one per class."""
     confidence, labels = probs.max(dim=1)
-    return labels, confidence >= tau
+    threshold = tau[labels] if isinstance(tau, torch.Tensor) else tau
+    return labels, confidence >= threshold
+
+
+def class_thresholds(probs: torch.Tensor, tau: float, rule: str) -> torch.Tensor:
+    """One threshold per class from the silo's own predictions over all its images (no extra communication).
+
+    A single tau passes the images the model is already sure of, which early on are the easy classes; both
+    adaptive rules lower the bar for the classes the model is still unsure of, so they too reach the silo's
+    training. They are computed from one pass over every image, as SemiFL pseudo-labels once per round.
+    - flexmatch (Zhang et al. 2021, curriculum pseudo-labeling without warm-up): beta_c = images predicted c that
+      pass tau / the most that pass for any class; threshold_c = tau * beta_c / (2 - beta_c).
+    - freematch (Wang et al. 2023, self-adaptive thresholds): threshold_c = mean max-probability over the silo's
+      images * mean probability of c / the largest class's mean probability.
+    """
+    num_classes = probs.shape[1]
+    confidence, labels = probs.max(dim=1)
+    if rule == "fixed":
+        return torch.full((num_classes,), float(tau))
+    if rule == "flexmatch":
+        passed = torch.bincount(labels[confidence >= tau], minlength=num_classes).float()
+        beta = passed / passed.max().clamp(min=1.0)
+        return tau * beta / (2.0 - beta)
+    if rule == "freematch":
+        class_mean = probs.mean(dim=0)
+        return confidence.mean() * class_mean / class_mean.max()
+    raise ValueError(f"unknown threshold_rule {rule!r}; choose fixed, flexmatch or freematch")
 
 
 def mix_loss(logits: torch.Tensor, y_fix: torch.Tensor, y_partner: torch.Tensor, lam: float) -> torch.Tensor:
@@ -200,7 +231,7 @@ class SemiFLSilo(SiloAlgorithm):
         # (1) Pseudo-label every image once, with the received model on the weak view.
         probs = predict_logits(model, data.images, spec.mean, spec.std, device, weak=True, flip=o.flip,
                                generator=gen).softmax(dim=1)
-        pseudo, confident = select_confident(probs, o.tau)
+        pseudo, confident = select_confident(probs, class_thresholds(probs, o.tau, o.threshold_rule))
         n_fix = int(confident.sum())
         metrics = {"pl_total": float(len(pseudo)), "pl_selected": float(n_fix)}
         if data.true_labels is not None:

@@ -9,6 +9,7 @@ from silo_core.algorithms.semifl import (
     SemiFLHub,
     SemiFLOptions,
     SemiFLSilo,
+    class_thresholds,
     mix_loss,
     pseudo_label_metrics,
     select_confident,
@@ -32,6 +33,34 @@ def test_threshold_filter_keeps_exactly_those_at_or_above_tau():
     labels, keep = select_confident(probs, 0.95)
     assert labels.tolist() == [0, 0, 1, 1]
     assert keep.tolist() == [True, False, True, False]
+
+
+def test_per_class_thresholds_filter_each_image_by_its_own_class():
+    probs = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.35, 0.65]])
+    labels, keep = select_confident(probs, torch.tensor([0.8, 0.62]))
+    assert labels.tolist() == [0, 1, 1]
+    assert keep.tolist() == [False, False, True]
+
+
+def test_flexmatch_lowers_the_threshold_of_classes_whose_images_rarely_pass_tau():
+    # Predicted class 0 four times (3 pass 0.9), class 1 twice (1 passes), class 2 once (none passes).
+    probs = torch.tensor([[0.95, 0.03, 0.02]] * 3 + [[0.5, 0.3, 0.2]]
+                         + [[0.05, 0.92, 0.03], [0.2, 0.6, 0.2], [0.3, 0.3, 0.4]])
+    thresholds = class_thresholds(probs, 0.9, "flexmatch")
+    beta = torch.tensor([1.0, 1 / 3, 0.0])  # passed per class / the most passed (3)
+    assert torch.allclose(thresholds, 0.9 * beta / (2 - beta))
+    assert class_thresholds(probs, 0.9, "fixed").tolist() == pytest.approx([0.9] * 3)
+
+
+def test_freematch_scales_the_mean_confidence_by_each_class_mean_probability():
+    probs = torch.tensor([[0.9, 0.1], [0.7, 0.3], [0.2, 0.8]])
+    thresholds = class_thresholds(probs, 0.95, "freematch")  # tau plays no part
+    mean_confidence = (0.9 + 0.7 + 0.8) / 3
+    class_mean = torch.tensor([1.8, 1.2]) / 3
+    assert torch.allclose(thresholds, mean_confidence * class_mean / class_mean.max())
+    assert thresholds[0] == pytest.approx(0.8) and thresholds[1] == pytest.approx(0.8 * 1.2 / 1.8)
+    with pytest.raises(ValueError, match="threshold_rule"):
+        SemiFLOptions(threshold_rule="median")
 
 
 def test_mix_loss_is_the_lambda_weighted_sum_of_two_cross_entropies():
