@@ -266,13 +266,28 @@ def model_name(cell: dict[str, Any]) -> str:
     return f"{cell.get('model', 'small_cnn')}{' ' + options if options else ''}{count}"
 
 
+def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
+    """"semifl threshold_rule freematch; ...": the options the cells ran with that the profile today does not give
+    (what an ablation folder changed, or a value the profile has changed since); "" when there are none."""
+    profile = PROFILES.get(profile_name)
+    if profile is None:
+        return ""
+    changes: dict[str, set[str]] = {}
+    for cell in cells:
+        ran, today = saved_options(cell) or cell.get("options", {}), cell_options(cell["method"], profile)
+        changes.setdefault(cell["method"], set()).update(f"{k} {v}" for k, v in ran.items() if today.get(k) != v)
+    return "; ".join(f"{m} {', '.join(sorted(c))}" for m, c in changes.items() if c)
+
+
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
     lines = [f"Test accuracy (%), profile `{profile_name}`, mean ± std over seeds (n = seeds).",
              f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
              + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
-             f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.", "",
+             f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.",
+             *([f"Options that differ from the profile's: {changed}."] if (changed := changed_options(
+                 cells, profile_name)) else []), "",
              "| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
     for m in methods:
         row = []

@@ -30,6 +30,7 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
     assert all(h["silos_contributed"] > 0 for h in cells["semifl"]["history"])
     table = (tmp_path / "table.md").read_text()
     assert "| semifl |" in table and "| server-only |" in table
+    assert "Options that differ" not in table  # the profile's own cells
     assert (tmp_path / "curves.png").stat().st_size > 5000
 
     # A rerun with the same settings keeps the finished cells instead of training them again.
@@ -101,7 +102,8 @@ def test_option_or_width_override_needs_its_own_output_folder():
 def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny", "--methods", "semifl",
                "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2",
-               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4", "--width", "8"]
+               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4", "--width", "8",
+               "--option", "semifl.threshold_rule=freematch"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
@@ -111,7 +113,11 @@ def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     assert cell["model_options"] == {"width": 8}
     narrow, default = (count_parameters(ModelSpec(options=o).build()) for o in ({"width": 8}, {}))
     assert cell["parameters"] == narrow and narrow < default / 3
-    assert f"Model: small_cnn width 8, {narrow:,} parameters." in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert f"Model: small_cnn width 8, {narrow:,} parameters." in table
+    # The table names what the folder changed, so an ablation's table says what it measured.
+    assert ("Options that differ from the profile's: semifl hub_epochs 1, init_epochs 4, threshold_rule freematch."
+            in table)
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
