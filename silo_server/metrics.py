@@ -306,7 +306,8 @@ class _HubStateCollector(Collector):
         if planned:
             return list(enumerate(planned))
         desc = self.m.hub.run_description
-        tau = desc.get("algorithm_options", {}).get("tau")
-        if tau is None:
-            return []
+        options = desc.get("algorithm_options", {})
+        tau = options.get("tau")
+        if tau is None or options.get("threshold_rule", "fixed") != "fixed":
+            return []  # no single tau, or each silo computes its own per-class thresholds (SemiFL threshold_rule)
         return [(k, float(tau)) for k in range(int(desc.get("num_classes", 0)))]

@@ -194,7 +194,8 @@ def class_thresholds(probs: torch.Tensor, tau: float, rule: str) -> torch.Tensor
     adaptive rules lower the bar for the classes the model is still unsure of, so they too reach the silo's
     training. They are computed from one pass over every image, as SemiFL pseudo-labels once per round.
     - flexmatch (Zhang et al. 2021, curriculum pseudo-labeling without warm-up): beta_c = images predicted c that
-      pass tau / the most that pass for any class; threshold_c = tau * beta_c / (2 - beta_c).
+      pass tau / the most that pass for any class; threshold_c = tau * beta_c / (2 - beta_c), so a class none of
+      whose images pass gets 0 and every image predicted as it is kept.
     - freematch (Wang et al. 2023, self-adaptive thresholds): threshold_c = mean max-probability over the silo's
       images * mean probability of c / the largest class's mean probability.
     """

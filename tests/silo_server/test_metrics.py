@@ -80,6 +80,15 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
     assert [after[("silokit_hub_class_threshold", (("class", str(k)),))] for k in range(3)] == [0.9] * 3
 
 
+def test_no_class_threshold_gauge_when_each_silo_computes_its_own(tmp_path):
+    shown = {}
+    for rule in ("fixed", "freematch"):
+        hub = make_hub(tmp_path / rule, run_description={
+            "algorithm": "mean", "num_classes": 3, "algorithm_options": {"tau": 0.9, "threshold_rule": rule}})
+        shown[rule] = [v for (name, _), v in samples(HubMetrics(hub)).items() if name == "silokit_hub_class_threshold"]
+    assert shown == {"fixed": [0.9] * 3, "freematch": []}  # the hub cannot know the silos' own thresholds
+
+
 def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)
