@@ -60,12 +60,12 @@ def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
 
 
 def fixmatch_loss(logits_labeled: torch.Tensor, labels: torch.Tensor, logits_weak: torch.Tensor,
-                  logits_strong: torch.Tensor, tau: float, unlabeled_weight: float) -> tuple[torch.Tensor, float, torch.Tensor]:
-    """FixMatch's loss, the share of unlabeled images whose weak-view confidence reaches tau, and their mask."""
+                  logits_strong: torch.Tensor, tau: float, unlabeled_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FixMatch's loss and the mask of unlabeled images whose weak-view confidence reaches tau (1.0 or 0.0)."""
     confidence, pseudo = logits_weak.detach().softmax(dim=1).max(dim=1)
     mask = (confidence >= tau).float()
     unlabeled = (F.cross_entropy(logits_strong, pseudo, reduction="none") * mask).mean()
-    return F.cross_entropy(logits_labeled, labels) + unlabeled_weight * unlabeled, float(mask.mean()), mask
+    return F.cross_entropy(logits_labeled, labels) + unlabeled_weight * unlabeled, mask
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                  strong_augment(x_unlabeled[ui], generator=gen)]
         model.train()
         logits = model(torch.cat([to_float(v, spec.mean, spec.std) for v in views]).to(device))
-        loss, share, _ = fixmatch_loss(logits[: args.labeled_batch], y_labeled[li].to(device),
+        loss, mask = fixmatch_loss(logits[: args.labeled_batch], y_labeled[li].to(device),
                                        logits[args.labeled_batch: args.labeled_batch + unlabeled_batch],
                                        logits[args.labeled_batch + unlabeled_batch:], args.tau, args.unlabeled_weight)
         sgd_step(model, optimizer, loss, opt.grad_clip)
         update_ema(ema, model, args.ema)
-        passed.append(share)
+        passed.append(float(mask.mean()))
         losses.append(loss.item())
         if step % args.eval_every == 0 or step == args.steps:
             accuracy = evaluate_ema()

@@ -29,8 +29,8 @@ def test_loss_trains_the_strong_view_only_on_confident_weak_views():
     weak = torch.tensor([[9.0, 0.0, 0.0],   # p(0) ~ 0.9998: passes tau 0.95, pseudo-label 0
                          [1.0, 1.0, 0.0]])  # p ~ 0.42: below tau, contributes nothing
     strong = torch.tensor([[0.0, 3.0, 0.0], [0.0, 0.0, 5.0]])
-    loss, share, mask = central.fixmatch_loss(labeled, labels, weak, strong, tau=0.95, unlabeled_weight=2.0)
-    assert share == 0.5 and mask.tolist() == [1.0, 0.0]
+    loss, mask = central.fixmatch_loss(labeled, labels, weak, strong, tau=0.95, unlabeled_weight=2.0)
+    assert mask.tolist() == [1.0, 0.0]
     expected = F.cross_entropy(labeled, labels) + 2.0 * F.cross_entropy(strong[:1], torch.tensor([0])) / 2
     assert math.isclose(loss.item(), expected.item(), rel_tol=1e-6)
     # The pseudo-labels are targets, not a path for gradients into the weak view.
