@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run as quality  # noqa: E402
 
+from silo_core.algorithms.fedavg_fixmatch import fixmatch_loss as unlabeled_fixmatch_loss  # noqa: E402
 from silo_core.augment import strong_augment, to_float, weak_augment  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import ModelSpec, count_parameters  # noqa: E402
@@ -61,11 +62,10 @@ def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
 
 def fixmatch_loss(logits_labeled: torch.Tensor, labels: torch.Tensor, logits_weak: torch.Tensor,
                   logits_strong: torch.Tensor, tau: float, unlabeled_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """FixMatch's loss and the mask of unlabeled images whose weak-view confidence reaches tau (1.0 or 0.0)."""
-    confidence, pseudo = logits_weak.detach().softmax(dim=1).max(dim=1)
-    mask = (confidence >= tau).float()
-    unlabeled = (F.cross_entropy(logits_strong, pseudo, reduction="none") * mask).mean()
-    return F.cross_entropy(logits_labeled, labels) + unlabeled_weight * unlabeled, mask
+    """FixMatch's joint loss (the labeled batch's CE plus the silos' unlabeled FixMatch term, the same function
+    FedAvg+FixMatch trains with) and the mask of unlabeled images whose weak-view confidence reaches tau (1.0 or 0.0)."""
+    unlabeled, _, mask = unlabeled_fixmatch_loss(logits_weak, logits_strong, tau)
+    return F.cross_entropy(logits_labeled, labels) + unlabeled_weight * unlabeled, mask.float()
 
 
 def main(argv: list[str] | None = None) -> int:
