@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
-from silo_core.models import MODELS, NORMS
+from silo_core.models import MODELS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
 
@@ -84,8 +84,8 @@ class ModelSection(_Strict):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:
                 raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
-        if self.options.get("norm", "batch") not in NORMS:
-            raise ValueError(f"unknown options.norm {self.options['norm']!r}; choose one of {', '.join(NORMS)}")
+        ModelSpec(self.name, in_channels=self.in_channels, image_size=self.image_size,
+                  options=dict(self.options)).check_options()
         return self
 
 

@@ -10,6 +10,7 @@ runs the very algorithm objects the deployment runs, in-process (silo_sim/inproc
     python bench/quality/run.py --profile full --wire-check   # one small cell in-process and over the wire
     python bench/quality/run.py ... --out DIR --option semifl.tau=0.8   # an ablation, in its own folder
     python bench/quality/run.py ... --out DIR --width 32                # a wider small_cnn, in its own folder
+    python bench/quality/run.py ... --out DIR --head flatten            # small_cnn's flatten head, likewise
 
 Writes results/<profile>/results.json (every round's metrics), table.md and curves.png.
 """
@@ -43,7 +44,7 @@ from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
-from silo_core.models import MODELS, ModelSpec, count_parameters  # noqa: E402
+from silo_core.models import HEADS, MODELS, ModelSpec, count_parameters  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
@@ -418,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
     p.add_argument("--width", type=int, help="small_cnn's channel width (default 16; 32 costs 2.4x per step); "
                    "needs --out")
+    p.add_argument("--head", choices=list(HEADS), help="small_cnn's classifier head (default pool: average over the "
+                   "last feature maps; flatten: every position of them); needs --out")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
@@ -426,13 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_option_overrides(args.option)
     if args.width is not None and (args.model != "small_cnn" or args.width < 1):
         p.error(f"--width {args.width}: a positive channel width, for --model small_cnn only")
-    model_options = {"width": args.width} if args.width is not None else {}
+    if args.head is not None and args.model != "small_cnn":
+        p.error(f"--head {args.head}: for --model small_cnn only")
+    model_options = {**({"width": args.width} if args.width is not None else {}),
+                     **({"head": args.head} if args.head not in (None, "pool") else {})}
     if args.wire_check and (model_options or args.model != "small_cnn"):
-        p.error("--wire-check runs the default small_cnn on the CPU; leave out --model and --width")
+        p.error("--wire-check runs the default small_cnn on the CPU; leave out --model, --width and --head")
     if (overrides or model_options) and args.out is None:
         # A cell whose options differ from the folder's is dropped from it: never let an experiment wipe the table.
-        p.error("--option and --width change what the cells run with; give --out DIR so the profile's own results "
-                "stay as they are")
+        p.error("--option, --width and --head change what the cells run with; give --out DIR so the profile's own "
+                "results stay as they are")
     torch.set_num_threads(args.threads)
     profile = copy.deepcopy(PROFILES[args.profile])  # the overrides below must not leak into later calls
     if args.rounds:

@@ -88,10 +88,12 @@ def test_a_saved_cell_survives_an_option_added_later_at_its_default():
     assert quality.saved_options({"method": "semifl", "options": {**current, "removed_knob": 1}}) is None
 
 
-def test_option_or_width_override_needs_its_own_output_folder():
+def test_option_width_or_head_override_needs_its_own_output_folder():
     refused = [(["--option", "semifl.tau=0.5"], "give --out DIR"), (["--width", "32"], "give --out DIR"),
+               (["--head", "flatten"], "give --out DIR"),
+               (["--head", "flatten", "--model", "wrn28_2", "--out", "x"], "--head flatten: for --model small_cnn only"),
                (["--model", "wrn28_2", "--width", "32", "--out", "unused"], "for --model small_cnn only"),
-               (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model and --width")]
+               (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model, --width and --head")]
     for change, message in refused:
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
                                *change], capture_output=True, text=True, timeout=120)
@@ -102,19 +104,20 @@ def test_option_or_width_override_needs_its_own_output_folder():
 def test_option_override_reaches_the_cell_and_is_recorded(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny", "--methods", "semifl",
                "--data-root", str(DATA), "--out", str(tmp_path), "--threads", "2",
-               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4", "--width", "8",
+               "--option", "semifl.hub_epochs=1", "--option", "semifl.init_epochs=4", "--width", "8", "--head", "flatten",
                "--option", "semifl.threshold_rule=freematch"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
     assert (cell["options"]["hub_epochs"], cell["options"]["init_epochs"]) == (1, 4)
     assert cell["options"]["local_epochs"] == 1  # the profile's other choices stay
-    # The narrower model is the one that trained: 8 channels instead of 16, about a quarter of the parameters.
-    assert cell["model_options"] == {"width": 8}
-    narrow, default = (count_parameters(ModelSpec(options=o).build()) for o in ({"width": 8}, {}))
-    assert cell["parameters"] == narrow and narrow < default / 3
+    # The narrower model with the flatten head is the one that trained: 8 channels instead of 16, and a classifier
+    # over 32 x 7 x 7 positions instead of 64 averages.
+    assert cell["model_options"] == {"width": 8, "head": "flatten"}
+    trained = count_parameters(ModelSpec(options={"width": 8, "head": "flatten"}).build())
+    assert cell["parameters"] == trained == count_parameters(ModelSpec(options={"width": 8}).build()) - 330 + 15690
     table = (tmp_path / "table.md").read_text()
-    assert f"Model: small_cnn width 8, {narrow:,} parameters." in table
+    assert f"Model: small_cnn head flatten width 8, {trained:,} parameters." in table
     # The table names what the folder changed, so an ablation's table says what it measured.
     assert ("Options that differ from the profile's: semifl hub_epochs 1, init_epochs 4, threshold_rule freematch."
             in table)
