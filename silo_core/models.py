@@ -117,8 +117,8 @@ class WideResNet(nn.Module):
         return self.fc(out)
 
 
-MODELS = ("small_cnn", "wrn28_2")
-MODEL_OPTIONS = {"small_cnn": ("width", "norm", "head"), "wrn28_2": ("widen", "scale", "norm")}
+MODEL_OPTIONS = {"small_cnn": ("width", "norm", "head"), "wrn28_2": ("widen", "scale", "norm")}  # each model's options
+MODELS = tuple(MODEL_OPTIONS)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
-from silo_core.models import MODELS, ModelSpec
+from silo_core.models import ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
 
@@ -78,14 +78,13 @@ class ModelSection(_Strict):
 
     @model_validator(mode="after")
     def _known(self) -> ModelSection:
-        if self.name not in MODELS:
-            raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
+        # The model's name and options first (ModelSpec knows both), then the normalisation's length.
+        ModelSpec(self.name, in_channels=self.in_channels, image_size=self.image_size,
+                  options=dict(self.options)).check_options()
         for key in ("mean", "std"):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:
                 raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
-        ModelSpec(self.name, in_channels=self.in_channels, image_size=self.image_size,
-                  options=dict(self.options)).check_options()
         return self
 
 

@@ -102,8 +102,8 @@ PROFILES = {
     # budget for every method, SemiFL's (SGD lr 0.03 with a cosine schedule over the run, 5 hub epochs on the
     # labels before round 1 and in every round, 2 local epochs in batches of 32; SemiFL's own 5 local epochs in
     # batches of 10 cost 2.5 times as much on a CPU, lift SemiFL 1.7 points on IID (three seeds), FedSEAL 1.7 (three
-    # seeds), HASSLE 0.3 and the supervised ceiling 2.1 (one seed), but cost SemiFL 3.1 with 2 classes per silo (one
-    # seed); the whole table at that budget waits for a GPU, see bench/README.md). The papers' own values for
+    # seeds), HASSLE 0.3 and the supervised ceiling 2.1 (one seed), but leave SemiFL below server-only with 2 classes
+    # per silo (three seeds); the whole table at that budget waits for a GPU, see bench/README.md). The papers' own values for
     # FedSEAL (lr 0.001) and HASSLE (lr 0.1, batches of 128, no warm-up) were set for other models and optimisers.
     "full": Profile(rounds=100, num_silos=100, silos_per_round=0.1, unlabeled_limit=None, test_limit=None,
                     seeds=[0], headline_seeds=[0, 1, 2], eval_every=10,
