@@ -35,8 +35,10 @@ def run_inprocess(
     evaluate: Callable[[HubState], dict[str, float]] | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     round_hyperparameters: dict[str, Any] | None = None,
+    validate: Callable[[HubState], dict[str, float]] | None = None,
 ) -> tuple[HubState, list[dict[str, Any]]]:
-    """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp)."""
+    """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp); `validate`
+    and `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*)."""
     state = hub.init_state()
     history: list[dict[str, Any]] = []
     rng = random.Random(seed)
@@ -55,6 +57,8 @@ def run_inprocess(
         state, metrics = hub.finish_round(state, sums.result(), sums.metrics)
         entry: dict[str, Any] = {"round": state.round, **metrics, "silos_sampled": len(sampled),
                                  "silos_contributed": sums.contributors}
+        if validate is not None:
+            entry.update({f"validation_{k}": v for k, v in validate(state).items()})
         if evaluate is not None:
             entry.update({f"test_{k}": v for k, v in evaluate(state).items()})
         entry["round_seconds"] = time.time() - started

@@ -46,6 +46,7 @@ from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import HEADS, MODELS, ModelSpec, count_parameters  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
+from silo_core.selection import BestRound  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
 from silo_sim.inprocess import replay_staged, run_inprocess, run_silo_sim  # noqa: E402
@@ -183,6 +184,16 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         silos.append(SiloData(images=train.images[idx], true_labels=train.labels[idx],
                               labels=train.labels[idx] if method == "supervised" else None, silo_id=f"silo-{i:03d}"))
     round_counter = {"n": 0}
+    val_images, val_labels = train.images[val_idx], train.labels[val_idx]
+    best, best_model = BestRound(), {"model": None}
+
+    def validate_state(state):
+        # Every round, as the hub does: the served model on the hub's validation split; the best one is kept.
+        model = hub.served_model(state)
+        result = evaluate(model, val_images, val_labels, spec.mean, spec.std, device)
+        if best.offer(state.round, result["accuracy"]):
+            best_model["model"] = copy.deepcopy(model)
+        return result
 
     def evaluate_state(state):
         round_counter["n"] += 1
@@ -194,9 +205,12 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         return result
 
     started = time.time()
-    _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state)
+    _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state,
+                               validate=validate_state)
     final = history[-1]
+    selected = evaluate(best_model["model"], test.images, test.labels, spec.mean, spec.std, device)
     return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
+            **best.as_dict(), "best_round_test_accuracy": selected["accuracy"],
             "seconds": time.time() - started, "options": cell_options(method, profile), "model": model,
             **({"model_options": model_options} if model_options else {}),
             "parameters": count_parameters(spec.build()), "history": history}

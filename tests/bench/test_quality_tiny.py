@@ -27,6 +27,11 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
     for cell in cells.values():
         assert 0.1 < cell["final_accuracy"] <= 1.0  # better than chance on 10 classes
         assert [h["round"] for h in cell["history"]] == [1, 2]
+        # The hub's model selection on its validation split: every round scored, the best one tested at the end.
+        validation = [h["validation_accuracy"] for h in cell["history"]]
+        best = max(range(2), key=lambda i: (validation[i], i))
+        assert cell["best_round"] == best + 1 and cell["best_validation_accuracy"] == validation[best]
+        assert cell["best_round_test_accuracy"] == pytest.approx(cell["history"][best]["test_accuracy"], abs=1e-6)
     assert all(h["silos_contributed"] > 0 for h in cells["semifl"]["history"])
     table = (tmp_path / "table.md").read_text()
     assert "| semifl |" in table and "| server-only |" in table
