@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from safetensors.torch import save_file
 
 import silo_core
 from security.crl import RevocationList
@@ -33,6 +32,7 @@ from silo_core.models import ModelSpec, count_parameters
 from silo_core.partition import split_labeled_per_class
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
+from silo_server.checkpoint import BEST_MODEL, load_best_round, save_best_model, write_model
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub
 from silo_server.metrics import HubMetrics
@@ -82,8 +82,8 @@ class HubApp:
         if self.labeled.labels is None or len(self.labeled) < 2:
             raise ValueError("data.labeled must hold labeled images (at least 2)")
         self.test = load_source(config.data.test, m.image_size, m.in_channels) if config.data.test else None
-        validation = (load_source(config.data.validation, m.image_size, m.in_channels)
-                      if config.data.validation else None)
+        self.validation = validation = (load_source(config.data.validation, m.image_size, m.in_channels)
+                                        if config.data.validation else None)
         self.spec = model_spec_from(config, len(self.labeled.classes))
         entry = get_algorithm(config.algorithm.name)
         self.options = config.algorithm.parsed_options()
@@ -110,11 +110,14 @@ class HubApp:
             max_update_norm=config.security.max_update_norm,
             half_precision=config.wire.half_precision,
             evaluate=self.evaluate if self.test is not None else None,
+            validate=self.validate if validation is not None else None,
             seed=config.run.seed,
             privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
             round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
                                    if config.privacy.sample_dp.enabled else None),
         )
+        # The best round so far on the validation split; its model is kept in the state dir across restarts.
+        self.best = load_best_round(config.run.state_dir, self.hub.run_id)
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
                                    version=getattr(silo_core, "__version__", "0.1.0"))
                         if config.metrics.enabled else None)
@@ -140,6 +143,17 @@ class HubApp:
     def evaluate(self, state: HubState) -> dict[str, float]:
         model = self.algorithm.served_model(state)
         return evaluate(model, self.test.images, self.test.labels, self.spec.mean, self.spec.std, self.device)
+
+    def validate(self, state: HubState) -> dict[str, float]:
+        """Score the round's model on the validation split and keep it when it is the best round so far."""
+        model = self.algorithm.served_model(state)
+        result = evaluate(model, self.validation.images, self.validation.labels, self.spec.mean, self.spec.std,
+                          self.device)
+        if self.best.offer(state.round, result["accuracy"]):
+            save_best_model(self.config.run.state_dir, model, self.hub.run_id, self.best)
+            log.info("round %d is the best so far on the validation split (%.2f%%): %s updated", state.round,
+                     100 * result["accuracy"], BEST_MODEL)
+        return result
 
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:
@@ -284,8 +298,7 @@ class HubApp:
     def export(self, state: HubState) -> Path:
         out = Path(self.config.run.state_dir)
         model = self.algorithm.served_model(state)
-        weights = out / "model.safetensors"
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(weights))
+        weights = write_model(out / "model.safetensors", model)
         final = self.hub.history[-1] if self.hub.history else {}
         card = {
             "format": "silokit model card v1",
@@ -307,7 +320,8 @@ class HubApp:
             "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled,
                           "skipped_images": r.skipped_images}
                       for s, r in sorted(self.hub.silos.items())},
-            "final_metrics": {k: v for k, v in final.items() if k.startswith("test_")},
+            "final_metrics": {k: v for k, v in final.items() if k.startswith(("test_", "validation_"))},
+            "best_round": self.best_round_card(),
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
             "stopped_early": self.hub.stopped_reason or None,
             "weights_file": weights.name,
@@ -316,8 +330,27 @@ class HubApp:
                          "images scaled to [0,1] then normalised with normalize_mean/std",
         }
         write_json_atomic(out / "model_card.json", card)
+        if self.validation is not None:
+            log.info("best round on the validation split: %d (%.2f%%), in %s", self.best.round,
+                     100 * self.best.accuracy, out / BEST_MODEL)
         log.info("final model written to %s (card: %s)", weights, out / "model_card.json")
         return weights
+
+
+    def best_round_card(self) -> dict[str, Any] | None:
+        """The model card's account of best_model.safetensors; None without a validation split."""
+        path = Path(self.config.run.state_dir) / BEST_MODEL
+        if self.validation is None or not self.best.round or not path.is_file():
+            return None
+        entry = next((h for h in self.hub.history if h.get("round") == self.best.round), {})
+        return {
+            "round": self.best.round,
+            "chosen_by": f"accuracy on data.validation ({len(self.validation)} images); a tie goes to the later round",
+            "validation_accuracy": self.best.accuracy,
+            "metrics": {k: v for k, v in entry.items() if k.startswith("test_")},
+            "weights_file": path.name,
+            "weights_sha256": sha256_hex(path.read_bytes()),
+        }
 
 
 def describe(config: HubConfig) -> str:

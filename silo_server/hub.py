@@ -158,6 +158,7 @@ class Hub:
         max_update_norm: float | None = None,
         half_precision: bool = False,
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
+        validate: Callable[[HubState], dict[str, float]] | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         seed: int = 0,
         privacy: HubPrivacy | None = None,
@@ -178,6 +179,7 @@ class Hub:
         self.max_update_norm = max_update_norm
         self.half_precision = half_precision
         self.evaluate = evaluate
+        self.validate_model = validate  # the hub's validation split: validation_* per round, model selection
         self.on_round = on_round
         self.seed = seed
         self.privacy = privacy if privacy is not None and privacy.enabled else None
@@ -546,6 +548,8 @@ class Hub:
     def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
                         task: ActiveTask | None) -> HubState:
         entry: dict[str, Any] = {"round": state.round, **metrics}
+        if self.validate_model is not None:
+            entry.update({f"validation_{k}": v for k, v in self.validate_model(state).items()})
         if self.evaluate is not None:
             entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
         entry["round_seconds"] = time.time() - started

@@ -12,6 +12,8 @@ The round entry is the contract with algorithms and the privacy/secure-aggregati
 present, become metrics (absent keys leave the metric at zero, or at the algorithm's static value):
 
     test_accuracy, test_loss                 silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
+    validation_accuracy                      silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
+                                             silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
     silo_train_loss                          silokit_hub_silo_train_loss (mean over reporting silos)
     threshold_class_<k>                      silokit_hub_class_threshold{class="<k>"}
@@ -41,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from security.pki import cert_days_left
 from silo_core.metrics_http import MetricsServer, serve_metrics
+from silo_core.selection import BestRound
 from silo_server.hub import PHASES, Hub
 
 log = logging.getLogger("silo_server")
@@ -238,6 +241,16 @@ class _HubStateCollector(Collector):
                      tested[-2]["test_accuracy"] if len(tested) > 1 else NAN)
         yield _gauge("silokit_hub_test_loss", "Test cross-entropy after the last completed round.",
                      tested[-1].get("test_loss", NAN) if tested else NAN)
+        validated = [h for h in history if "validation_accuracy" in h]
+        best = BestRound()
+        for h in validated:
+            best.offer(h["round"], h["validation_accuracy"])
+        yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "
+                     "completed round (0..1).", validated[-1]["validation_accuracy"] if validated else NAN)
+        yield _gauge("silokit_hub_best_round", "The round whose model scored best on the validation split so far "
+                     "(kept as best_model.safetensors; 0: none yet).", best.round)
+        yield _gauge("silokit_hub_best_validation_accuracy_ratio", "That round's validation accuracy (0..1).",
+                     best.accuracy if best.round else NAN)
         yield _gauge("silokit_hub_pseudo_label_ratio", "Share of the silos' unlabeled images whose pseudo-label "
                      "passed the threshold in the last round.", last.get("pseudo_label_ratio", NAN))
         yield _gauge("silokit_hub_pseudo_label_accuracy_ratio", "Share of the passing pseudo-labels that were right "

@@ -25,6 +25,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from silo_core.selection import BestRound
+
 console = Console(stderr=False)
 if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
     console = Console(stderr=False, width=120)
@@ -76,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first K silos are partly labeled (HASSLE trains on their labels; default 0)")
     p.add_argument("--silo-labels-per-class", type=int, default=5, metavar="N",
                    help="labeled images per class kept by each partly labeled silo (default 5)")
-    p.add_argument("--validation-per-class", type=int, default=20, metavar="N",
-                   help="held-out labeled validation images per class at the hub, staged for algorithms that need "
-                        "one (FedSEAL's thresholds; default 20)")
+    p.add_argument("--validation-per-class", type=int, default=None, metavar="N",
+                   help="held-out labeled validation images per class at the hub: the hub scores every round on "
+                        "them and keeps the best round's model (best_model.safetensors); staged with 20 per class "
+                        "for algorithms that need one (FedSEAL's thresholds) even when not given")
     p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
@@ -112,6 +115,15 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+def validation_per_class(args: argparse.Namespace, needed: bool) -> int | None:
+    """Images per class of the hub's validation split: as given, else 20 where the algorithm needs one."""
+    if args.validation_per_class is not None:
+        if args.validation_per_class < 0:
+            raise SystemExit("--validation-per-class must be 0 or more")
+        return args.validation_per_class or None
+    return 20 if needed else None
 
 
 def apply_hub_settings(config: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
@@ -289,19 +301,27 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
 def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
     table.add_column("round", justify="right", no_wrap=True, min_width=11)
-    for col in ("test acc", "PL ratio", "PL acc", "silos", "round time", "bytes up", "bytes down"):
+    best = BestRound()
+    for h in history:
+        if "validation_accuracy" in h:
+            best.offer(h["round"], h["validation_accuracy"])
+    if best.round:  # the hub kept this round as best_model.safetensors
+        table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
+    for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos", "round time",
+                "bytes up", "bytes down"):
         table.add_column(col, justify="right", no_wrap=True)
     for h in history:
+        validation = (f"{h.get('validation_accuracy', float('nan')):.4f}{'*' if h['round'] == best.round else ' '}",)
         table.add_row(
-            str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}",
+            str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}", *(validation if best.round else ()),
             f"{h['pseudo_label_ratio']:.3f}" if "pseudo_label_ratio" in h else "-",
             f"{h['pseudo_label_accuracy']:.3f}" if "pseudo_label_accuracy" in h else "-",
             f"{h.get('silos_reported', 0)}/{h.get('silos_sampled', 0)}", f"{h.get('round_seconds', 0):.1f}s",
             _human(h.get("bytes_up", 0)), _human(h.get("bytes_down", 0)),
         )
     if baseline:
-        table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", "-", "-", "-", f"{baseline['seconds']:.1f}s",
-                      "-", "-", style="dim")
+        table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.round else ()), "-", "-",
+                      "-", f"{baseline['seconds']:.1f}s", "-", "-", style="dim")
     return table
 
 
@@ -344,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                        "quorum": 0.5, "deadline_s": 900},
         }
         apply_hub_settings(hub_config, args.hub_set)
-        extra = {"test_per_class": args.test_per_class, "validation_per_class": args.validation_per_class if entry.hub.needs_validation else None,
+        extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
                  "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class}
         if args.export_demo:
             staged = stage_federation(args.export_demo, num_silos=args.silos, labels_per_class=args.labels_per_class,

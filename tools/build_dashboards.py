@@ -142,9 +142,11 @@ def overview() -> dict:
         [
             Panel("Model quality", "timeseries", 12, 8, [
                 ("silokit_hub_test_accuracy_ratio", "test accuracy"),
+                ("silokit_hub_validation_accuracy_ratio", "validation accuracy"),
                 ("silokit_hub_pseudo_label_ratio", "pseudo-labels above threshold"),
                 ("silokit_hub_pseudo_label_accuracy_ratio", "pseudo-label accuracy (simulation)"),
-            ], "Test accuracy after each round; the share of the silos' images whose pseudo-label passed the "
+            ], "Test accuracy after each round; accuracy on the hub's validation split (data.validation, which picks "
+               "best_model.safetensors); the share of the silos' images whose pseudo-label passed the "
                "threshold, and (simulation only) how many of those were right.", **PERCENT),
             Panel("Silos per round", "timeseries", 12, 8, [
                 ("silokit_hub_round_silos", "{{state}}"),

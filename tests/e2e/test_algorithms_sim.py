@@ -14,8 +14,9 @@ CASES = {
                  "--option", "hub_epochs=1", "--option", "threshold_min=0.0", "--option", "theta=0.3"]),
     "hassle": (["--silos", "2", "--labeled-silos", "1", "--silo-labels-per-class", "2", "--option", "local_epochs=1",
                 "--option", "hub_warmup_epochs=1", "--option", "batch_size=16"]),
-    "fedavg-fixmatch": (["--silos", "2", "--option", "local_epochs=1", "--option", "hub_epochs=1",
-                         "--option", "init_epochs=1", "--option", "tau=0.0"]),
+    # A validation split for an algorithm that does not need one: the hub scores every round and keeps the best.
+    "fedavg-fixmatch": (["--silos", "2", "--validation-per-class", "2", "--option", "local_epochs=1",
+                         "--option", "hub_epochs=1", "--option", "init_epochs=1", "--option", "tau=0.0"]),
     "supervised": (["--silos", "2", "--option", "local_epochs=1", "--option", "hub_epochs=1"]),
     "server-only": (["--silos", "1", "--option", "hub_epochs=1"]),
 }
@@ -50,6 +51,13 @@ def test_single_model_algorithms_get_every_sampled_silos_update(tmp_path, algori
         assert rounds[-1]["aggregated_weight"] == 48  # FedAvg weights: every silo image, with its true label
     if algorithm == "fedavg-fixmatch":
         assert rounds[0]["pseudo_label_ratio"] == 1.0  # tau = 0: every batch fully pseudo-labeled
+        scores = [r["validation_accuracy"] for r in rounds]
+        best = 2 if scores[1] >= scores[0] else 1
+        card = json.loads((tmp_path / "work" / "hub" / "state" / "model_card.json").read_text())
+        assert card["best_round"]["round"] == best and card["best_round"]["validation_accuracy"] == scores[best - 1]
+        assert (tmp_path / "work" / "hub" / "state" / "best_model.safetensors").is_file()
+    else:
+        assert all("validation_accuracy" not in r for r in rounds) or algorithm == "fedseal"
 
 
 def test_hassle_with_a_partly_labeled_silo_gets_all_four_model_groups_back(tmp_path):

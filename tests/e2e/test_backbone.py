@@ -1,12 +1,19 @@
 """Hub + 3 silo processes over mutual TLS on loopback: rounds complete, every silo contributes, the hub is killed
-and restarted and resumes at the next round without repeating or losing one."""
+and restarted and resumes at the next round without repeating or losing one, and keeps its best round's model."""
 
+import hashlib
 import json
 import os
 import signal
 
+import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
+from silo_core.data import load_labeled_folder
+from silo_core.models import ModelSpec
+from silo_core.training import evaluate
 from silo_sim.stage import stage_federation
 from tests.conftest import free_port, wait_for
 
@@ -21,10 +28,29 @@ def history(staged):
         return []
 
 
+def check_best_round(staged, rounds, card):
+    """The hub scored every round on its validation split and kept the best round's model across the restart:
+    the model card names it, and the kept weights score exactly what the card says."""
+    scores = [h["validation_accuracy"] for h in rounds]
+    best = max(range(len(scores)), key=lambda i: (scores[i], i)) + 1  # a tie goes to the later round
+    chosen = card["best_round"]
+    assert chosen["round"] == best and chosen["validation_accuracy"] == scores[best - 1]
+    assert chosen["metrics"]["test_accuracy"] == rounds[best - 1]["test_accuracy"]
+    path = staged.hub_state_dir / chosen["weights_file"]
+    assert chosen["weights_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    model = ModelSpec("small_cnn").build()
+    model.load_state_dict(load_file(str(path)))
+    validation = load_labeled_folder(staged.root / "hub" / "validation", 28, 1)
+    assert len(validation) == 30
+    scored = evaluate(model.eval(), validation.images, validation.labels, [0.5], [0.5], torch.device("cpu"))
+    assert scored["accuracy"] == pytest.approx(chosen["validation_accuracy"], abs=1e-6)
+
+
 def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
     port = free_port()
     staged = stage_federation(
         tmp_path / "fed", num_silos=3, labels_per_class=2, unlabeled_limit=60, test_per_class=5, seed=1,
+        validation_per_class=3,
         hub_config={
             "run": {"threads": 1},
             "server": {"port": port, "long_poll_s": 2.0, "linger_s": 10.0},
@@ -75,6 +101,7 @@ def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
     assert set(card["silos"]) == {s.name for s in staged.silos}
     assert all(v["rounds_contributed"] >= 4 - len(before) for v in card["silos"].values())
     assert (staged.hub_state_dir / "model.safetensors").stat().st_size > 10_000
+    check_best_round(staged, after, card)
     assert card["silos"][staged.silos[0].name]["skipped_images"] == 2
     assert card["silos"][staged.silos[1].name]["skipped_images"] == 0
     assert "2 of 22 image files skipped as unreadable" in processes.log(staged.silos[0].name)

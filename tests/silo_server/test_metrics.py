@@ -113,6 +113,21 @@ def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
 
 
+def test_validation_rounds_feed_the_best_round_gauges(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    s = samples(m)
+    assert s[("silokit_hub_best_round", ())] == 0  # nothing validated yet
+    best = s[("silokit_hub_best_validation_accuracy_ratio", ())]
+    assert best != best  # NaN
+    for r, acc in ((1, 0.70), (2, 0.78), (3, 0.74), (4, 0.78), (5, 0.71)):
+        hub.history.append({"round": r, "validation_accuracy": acc})
+    s = samples(m)
+    assert s[("silokit_hub_validation_accuracy_ratio", ())] == pytest.approx(0.71)
+    assert s[("silokit_hub_best_round", ())] == 4  # a tie goes to the later round, as the hub keeps it
+    assert s[("silokit_hub_best_validation_accuracy_ratio", ())] == pytest.approx(0.78)
+
+
 def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)

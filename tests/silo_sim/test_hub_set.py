@@ -26,3 +26,20 @@ def test_dotted_keys_set_yaml_values_in_nested_sections():
 def test_bad_settings_fail_before_anything_starts_with_the_key_named(pair, message):
     with pytest.raises(ValueError, match=message):
         apply_hub_settings({"algorithm": {"name": "semifl", "options": {}}}, [pair])
+
+
+def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
+    from rich.console import Console
+
+    from silo_sim.cli import summary_table
+
+    history = [{"round": r, "test_accuracy": t, "validation_accuracy": v}
+               for r, t, v in ((1, 0.61, 0.70), (2, 0.66, 0.78), (3, 0.64, 0.75))]
+    console = Console(width=160, record=True)
+    console.print(summary_table(history, None, "semifl"))
+    text = console.export_text()
+    assert "0.7800*" in text and "0.7500*" not in text and "0.7000*" not in text
+    assert "best round on the hub's validation split: 2" in text
+    console = Console(width=160, record=True)
+    console.print(summary_table([{"round": 1, "test_accuracy": 0.5}], None, "semifl"))
+    assert "val acc" not in console.export_text()  # no validation split, no column
