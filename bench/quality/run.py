@@ -306,17 +306,31 @@ def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info:
                  cells, profile_name)) else []), "",
              "| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
     for m in methods:
-        row = []
-        for p in partitions:
-            accs = [100 * c["final_accuracy"] for c in cells if c["method"] == m and c["partition"] == p]
-            if not accs:
-                row.append("-")
-            elif len(accs) == 1:
-                row.append(f"{accs[0]:.1f} (n=1)")
-            else:
-                row.append(f"{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} (n={len(accs)})")
+        row = [mean_std([100 * c["final_accuracy"] for c in cells if c["method"] == m and c["partition"] == p])
+               for p in partitions]
         lines.append(f"| {m} | " + " | ".join(row) + " |")
+    selected = [c for c in cells if "best_round_test_accuracy" in c]
+    if selected:  # cells run before the hub kept its best round have no such record
+        lines += ["", "The model the hub keeps: the round that scored best on its validation split (250 images), "
+                  "test accuracy (%) and, in brackets, its rounds.", "",
+                  "| method | " + " | ".join(partitions) + " |", "|---|" + "---|" * len(partitions)]
+        for m in methods:
+            row = []
+            for p in partitions:
+                chosen = [c for c in selected if c["method"] == m and c["partition"] == p]
+                rounds = ", ".join(str(c["best_round"]) for c in chosen)
+                row.append(mean_std([100 * c["best_round_test_accuracy"] for c in chosen])
+                           + (f" [{rounds}]" if chosen else ""))
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def mean_std(accs: list[float]) -> str:
+    if not accs:
+        return "-"
+    if len(accs) == 1:
+        return f"{accs[0]:.1f} (n=1)"
+    return f"{statistics.mean(accs):.1f} ± {statistics.stdev(accs):.1f} (n={len(accs)})"
 
 
 def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:

@@ -36,6 +36,9 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| semifl |" in table and "| server-only |" in table
     assert "Options that differ" not in table  # the profile's own cells
+    kept = table.split("The model the hub keeps")[1]
+    semifl = cells["semifl"]
+    assert f"| semifl | {100 * semifl['best_round_test_accuracy']:.1f} (n=1) [{semifl['best_round']}] |" in kept
     assert (tmp_path / "curves.png").stat().st_size > 5000
 
     # A rerun with the same settings keeps the finished cells instead of training them again.
