@@ -336,13 +336,14 @@ class HubApp:
         log.info("final model written to %s (card: %s)", weights, out / "model_card.json")
         return weights
 
-
     def best_round_card(self) -> dict[str, Any] | None:
         """The model card's account of best_model.safetensors; None without a validation split."""
         path = Path(self.config.run.state_dir) / BEST_MODEL
         if self.validation is None or not self.best.round or not path.is_file():
             return None
-        entry = next((h for h in self.hub.history if h.get("round") == self.best.round), {})
+        # The round's test scores, unless a hub crash made it keep a model that the redone round did not beat.
+        entry = next((h for h in self.hub.history if h.get("round") == self.best.round
+                      and h.get("validation_accuracy") == self.best.accuracy), {})
         return {
             "round": self.best.round,
             "chosen_by": f"accuracy on data.validation ({len(self.validation)} images); a tie goes to the later round",
