@@ -55,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port is not None:
             config.metrics.port = args.metrics_port
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
+        from silo_server.checkpoint import BEST_MODEL
 
         app = HubApp(config, insecure_dev_only=args.insecure_dev_only)
         if args.check:
             app.check_security()
             print(f"config OK: {len(app.labeled)} labeled images in {len(app.labeled.classes)} classes, "
                   f"algorithm {config.algorithm.name}, {config.rounds.total} rounds, model {app.spec.name}")
+            print(f"model selection: {len(app.validation)} validation images score every round; the best round is "
+                  f"kept as {BEST_MODEL}" if app.validation is not None else
+                  "model selection: none (no data.validation); the final round's model is exported")
             return 0
         state = app.run()
         if state.round < config.rounds.total:
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         last = app.hub.history[-1] if app.hub.history else {}
         print(f"run finished after {state.round} rounds; test accuracy {last.get('test_accuracy', float('nan')):.4f}; "
               f"model in {config.run.state_dir}/model.safetensors")
+        if app.best.round:
+            print(f"best round on the validation split: {app.best.round} ({app.best.accuracy:.4f}); "
+                  f"its model in {config.run.state_dir}/{BEST_MODEL}")
         return 0
     except KeyboardInterrupt:
         print("interrupted; the last checkpoint is kept and the next start resumes from it", file=sys.stderr)

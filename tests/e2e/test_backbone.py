@@ -102,6 +102,7 @@ def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
     assert all(v["rounds_contributed"] >= 4 - len(before) for v in card["silos"].values())
     assert (staged.hub_state_dir / "model.safetensors").stat().st_size > 10_000
     check_best_round(staged, after, card)
+    assert f"best round on the validation split: {card['best_round']['round']} (" in log
     assert card["silos"][staged.silos[0].name]["skipped_images"] == 2
     assert card["silos"][staged.silos[1].name]["skipped_images"] == 0
     assert "2 of 22 image files skipped as unreadable" in processes.log(staged.silos[0].name)

@@ -50,3 +50,11 @@ def test_check_mode_validates_without_serving(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "30 labeled images in 10 classes" in proc.stdout
+    assert "model selection: none (no data.validation)" in proc.stdout
+    cfg.write_text(yaml.safe_dump({"data": {"labeled": {"kind": "demo", "labels_per_class": 3},
+                                            "validation": {"kind": "demo", "split": "test", "labels_per_class": 2}},
+                                   "server": {"certs": "hub"}, "run": {"state_dir": "state"}}))
+    proc = subprocess.run([sys.executable, "-m", "silo_server.cli", "--config", str(cfg), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "model selection: 20 validation images score every round" in proc.stdout
