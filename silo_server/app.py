@@ -30,6 +30,7 @@ from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchv
 from silo_core.files import write_json_atomic
 from silo_core.models import ModelSpec, count_parameters
 from silo_core.partition import split_labeled_per_class
+from silo_core.selection import BestRound
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
 from silo_server.checkpoint import BEST_MODEL, load_best_round, save_best_model, write_model
@@ -117,7 +118,8 @@ class HubApp:
                                    if config.privacy.sample_dp.enabled else None),
         )
         # The best round so far on the validation split; its model is kept in the state dir across restarts.
-        self.best = load_best_round(config.run.state_dir, self.hub.run_id)
+        self.best = (load_best_round(config.run.state_dir, self.hub.run_id) if validation is not None
+                     else BestRound())
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
                                    version=getattr(silo_core, "__version__", "0.1.0"))
                         if config.metrics.enabled else None)
