@@ -26,5 +26,14 @@ class BestRound:
         self.round, self.accuracy = round_number, accuracy
         return True
 
+    @classmethod
+    def from_history(cls, history: list[dict]) -> BestRound:
+        """The best round among history entries that carry a validation_accuracy (the hub's round records)."""
+        best = cls()
+        for entry in history:
+            if "validation_accuracy" in entry:
+                best.offer(entry["round"], entry["validation_accuracy"])
+        return best
+
     def as_dict(self) -> dict[str, float | int]:
         return {"best_round": self.round, "best_validation_accuracy": self.accuracy}

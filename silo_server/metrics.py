@@ -242,9 +242,7 @@ class _HubStateCollector(Collector):
         yield _gauge("silokit_hub_test_loss", "Test cross-entropy after the last completed round.",
                      tested[-1].get("test_loss", NAN) if tested else NAN)
         validated = [h for h in history if "validation_accuracy" in h]
-        best = BestRound()
-        for h in validated:
-            best.offer(h["round"], h["validation_accuracy"])
+        best = BestRound.from_history(validated)
         yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "
                      "completed round (0..1).", validated[-1]["validation_accuracy"] if validated else NAN)
         yield _gauge("silokit_hub_best_round", "The round whose model scored best on the validation split so far "

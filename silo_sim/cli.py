@@ -301,19 +301,17 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
 def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
     table.add_column("round", justify="right", no_wrap=True, min_width=11)
-    best = BestRound()
-    for h in history:
-        if "validation_accuracy" in h:
-            best.offer(h["round"], h["validation_accuracy"])
+    best = BestRound.from_history(history)
     if best.round:  # the hub kept this round as best_model.safetensors
         table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
     for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos", "round time",
                 "bytes up", "bytes down"):
         table.add_column(col, justify="right", no_wrap=True)
     for h in history:
-        validation = (f"{h.get('validation_accuracy', float('nan')):.4f}{'*' if h['round'] == best.round else ' '}",)
+        validation = ((f"{h.get('validation_accuracy', float('nan')):.4f}{'*' if h['round'] == best.round else ' '}",)
+                      if best.round else ())
         table.add_row(
-            str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}", *(validation if best.round else ()),
+            str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}", *validation,
             f"{h['pseudo_label_ratio']:.3f}" if "pseudo_label_ratio" in h else "-",
             f"{h['pseudo_label_accuracy']:.3f}" if "pseudo_label_accuracy" in h else "-",
             f"{h.get('silos_reported', 0)}/{h.get('silos_sampled', 0)}", f"{h.get('round_seconds', 0):.1f}s",
