@@ -12,9 +12,10 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -25,6 +26,7 @@ from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.privacy import SiloPrivacy, upload_stage
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
+from silo_core.augment import to_float
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.tensors import (
@@ -81,6 +83,35 @@ def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) ->
         raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
 
 
+T = TypeVar("T")
+
+
+def data_key(run: silo_pb2.RunDescription) -> tuple[int, int]:
+    """What the loaded images depend on: a run with another image size or channel count needs them loaded again."""
+    return (run.image_size, run.in_channels)
+
+
+def rehearse(spec: ModelSpec, data: SiloData, device: torch.device, batch_size: int = 32) -> None:
+    """One throwaway training step and one inference batch of the run's network on a few of this silo's images,
+    before it reports ready: a device that cannot run the model fails at start-up with a clear error rather than
+    in round 1, and a fresh process's one-off costs (CUDA context, kernel choice, first memory) are paid before the
+    hub starts timing rounds. Runs on a fork of the random state, so it changes nothing that training draws."""
+    images = data.images if len(data.images) else data.labeled_images
+    if images is None or len(images) == 0:
+        return
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = spec.build().to(device).train()
+            x = to_float(images[:batch_size], spec.mean, spec.std).to(device)
+            x = x if len(x) > 1 else x.repeat(2, 1, 1, 1)  # batch norm trains on two images at least
+            model(x).logsumexp(1).mean().backward()
+            with torch.no_grad():
+                model.eval()(x)
+    except (RuntimeError, ValueError) as err:
+        raise SiloError(f"could not run the run's model ({spec.name}) on device {device}: {err}; check the device, "
+                        f"or pass --device cpu") from None
+
+
 def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     details = (err.details() or "").replace("\n", " ")
     if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -92,14 +123,24 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     return f"{err.code().name}: {details}"
 
 
+def run_here(work: Callable[..., T], *args: Any) -> T:
+    return work(*args)
+
+
 class SiloClient:
-    def __init__(self, settings: SiloSettings, train_lock: threading.Lock | None = None,
+    """One silo. `run_work` runs its heavy work (loading its images, each task: download, training, upload):
+    here, on the silo's own thread, by default. silo-sim hosts many silos in one process and passes a function that
+    runs the work of all of them on one shared thread instead, one job at a time: torch then keeps a single team of
+    OpenMP threads, which spin between operations; with a team per silo thread (more threads than cores) OpenMP
+    stops spinning and local training ran 15-60% slower (bench/systems, deployment overhead)."""
+
+    def __init__(self, settings: SiloSettings, run_work: Callable[..., Any] = run_here,
                  stop_event: threading.Event | None = None, metrics: SiloMetrics | None = None):
         self.s = settings
         # Always kept; served only when the caller serves them (silo-client --metrics-port, silo-sim workers).
         self.metrics = metrics or SiloMetrics(SiloMetricFamilies(), settings.name or "silo")
         self.log = logging.getLogger(f"silo_client.{settings.name}" if settings.name else "silo_client")
-        self.train_lock = train_lock or threading.Lock()
+        self.run_work = run_work
         self.stop_event = stop_event or threading.Event()
         self.device = resolve_device(settings.device)
         if settings.data is None and settings.labeled is None:
@@ -135,25 +176,34 @@ class SiloClient:
 
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
+        """Join the hub's run. A silo without its images for this run joins as `preparing` first (the run says the
+        image size to load them at), loads them and tries the model on its device, and only then joins ready: the
+        hub samples ready silos only, so round 1 does not wait on a silo's loading."""
+        run = self._announce(preparing=self.data is None)
+        if self.data is None or self.data_key != data_key(run):
+            self.data, self.data_key = self._load(run), data_key(run)
+            self._set_up(run)
+            rehearse(self.algorithm.model_spec, self.data, self.device)
+            run = self._announce(preparing=False)  # with the counts of the images that did load
+        self._set_up(run)  # again: the run may have been replaced (a hub restart) while this silo prepared
+        self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
+
+    def _announce(self, preparing: bool) -> silo_pb2.RunDescription:
         num_images = len(self.data.images) if self.data is not None else self.num_files
         num_labeled = self.data.num_labeled if self.data is not None else self.num_labeled_files
         reply = self.stub.Join(silo_pb2.JoinRequest(
             client_version=VERSION, num_unlabeled=num_images, num_labeled=num_labeled, capabilities=list(ALGORITHMS),
-            device=str(self.device), skipped_images=self.skipped_images,
+            device=str(self.device), skipped_images=self.skipped_images, preparing=preparing,
         ), timeout=30)
         run = reply.run
         if self.run is None or run.run_id != self.run.run_id:
             self.log.info("joined run %s as %s: %s, %s, %d rounds", run.run_id[:8], reply.silo_id, run.algorithm,
                           run.model, run.total_rounds)
         self.run, self.silo_id = run, reply.silo_id
-        self._prepare(run)
-        self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
+        return run
 
-    def _prepare(self, run: silo_pb2.RunDescription) -> None:
-        key = (run.image_size, run.in_channels)
-        if self.data is None or self.data_key != key:
-            self.data = self._load(run)
-            self.data_key = key
+    def _set_up(self, run: silo_pb2.RunDescription) -> None:
+        """The run's algorithm and model, checked against the loaded images."""
         self.data.silo_id, self.data.run_id = self.silo_id, run.run_id
         entry = get_algorithm(run.algorithm)
         if entry.silo is None:
@@ -241,8 +291,7 @@ class SiloClient:
                          expected=expected, class_thresholds=list(task.class_thresholds),
                          groups=self.algorithm.result_groups(expected))
         started = time.time()
-        with self.train_lock:
-            result = self.algorithm.local_update(plan, self.data)
+        result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
         tensors = {}
         if not result.skipped:
@@ -274,7 +323,7 @@ class SiloClient:
         while not self.stop_event.is_set():
             try:
                 if not joined:
-                    self._join()
+                    self.run_work(self._join)
                     joined = True
                 task = self.stub.NextTask(silo_pb2.NextTaskRequest(
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
@@ -286,9 +335,9 @@ class SiloClient:
                                   len(self.rounds_done))
                     return 0
                 if task.kind == silo_pb2.Task.TRAIN:
-                    self._train(task)
+                    self.run_work(self._train, task)
                 elif task.kind == silo_pb2.Task.SECAGG:
-                    self.privacy.run_stage(task)
+                    self.run_work(self.privacy.run_stage, task)
                 elif task.retry_after_s > 0:
                     self.stop_event.wait(min(task.retry_after_s, 5.0))
             except grpc.RpcError as err:

@@ -56,6 +56,7 @@ class SiloRecord:
     joined_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
     rounds_contributed: int = 0
+    ready: bool = True  # False while the silo loads its images (JoinRequest.preparing): not sampled yet
 
 
 @dataclass
@@ -251,16 +252,23 @@ class Hub:
         except validation.Invalid as e:
             raise self.refuse(silo_id, e.code, e.reason, e.message) from None
 
-    def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0
-             ) -> dict[str, Any]:
+    def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0,
+             preparing: bool = False) -> dict[str, Any]:
+        """Register a silo and return the run description. A silo that is still `preparing` (loading its images,
+        which needs the run's image size) is known but not sampled until it joins again ready."""
         self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
         with self.cond:
             record = self.silos.get(silo_id) or SiloRecord(silo_id)
             record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
             record.device, record.skipped_images = device, skipped_images
             record.last_seen = time.time()
+            record.ready = not preparing
             self.silos[silo_id] = record
             self.cond.notify_all()
+        if preparing:
+            log.info("silo %s connected and is loading its images (%d unlabeled, %d labeled files); it is sampled "
+                     "once it reports ready", silo_id, num_unlabeled, num_labeled)
+            return self.run_description
         days = self.cert_days_left.get(silo_id)
         log.info("silo %s joined (%d unlabeled, %d labeled images, device %s%s)", silo_id, num_unlabeled,
                  num_labeled, device, "" if days is None else f", certificate expires in {days:.0f} days")
@@ -433,8 +441,14 @@ class Hub:
 
     # ------------------------------------------------------------------ the round loop
     def live_silos(self) -> list[str]:
+        """Silos that can be sampled: heard from within liveness_s and done preparing."""
         now = time.time()
-        return sorted(s for s, r in self.silos.items() if now - r.last_seen <= self.liveness_s)
+        return sorted(s for s, r in self.silos.items() if r.ready and now - r.last_seen <= self.liveness_s)
+
+    def preparing_silos(self) -> list[str]:
+        """Silos heard from within liveness_s that are still loading their images."""
+        now = time.time()
+        return sorted(s for s, r in self.silos.items() if not r.ready and now - r.last_seen <= self.liveness_s)
 
     def _sample_count(self, available: int) -> int:
         if self.silos_per_round <= 1.0:
@@ -460,7 +474,9 @@ class Hub:
                 if len(live) >= self.min_silos:
                     return live
                 if time.time() - last_log > 10:
-                    log.info("waiting for silos: %d connected, %d needed to start a round", len(live), self.min_silos)
+                    preparing = len(self.preparing_silos())
+                    log.info("waiting for silos: %d ready%s, %d needed to start a round", len(live),
+                             f" ({preparing} more loading their images)" if preparing else "", self.min_silos)
                     last_log = time.time()
                 self.cond.wait(timeout=1.0)
         return []

@@ -173,6 +173,7 @@ class _HubStateCollector(Collector):
             phase, round_now = hub.phase, hub.round
             silos = [(s, r.last_seen, r.rounds_contributed, r.num_unlabeled, r.skipped_images)
                      for s, r in sorted(hub.silos.items())]
+            preparing = len(hub.preparing_silos())
             counters, refusals = dict(hub.counters), dict(hub.refusals)
             task = hub.task
             live = (len(task.sampled), len(task.reported), task.attempt, list(task.plan.class_thresholds)) \
@@ -205,6 +206,8 @@ class _HubStateCollector(Collector):
         yield _gauge("silokit_hub_silos_enrolled", "Silos that joined this run since the hub started.", len(silos))
         connected = [s for s in silos if now - s[1] <= hub.liveness_s]
         yield _gauge("silokit_hub_silos_connected", "Silos heard from within rounds.liveness_s.", len(connected))
+        yield _gauge("silokit_hub_silos_preparing", "Connected silos still loading their images (not sampled yet).",
+                     preparing)
         round_silos = _gauge("silokit_hub_round_silos", "Silos of the last completed round, by what they did.",
                              labels=["state"])
         for state in ROUND_SILO_STATES:

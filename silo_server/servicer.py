@@ -73,7 +73,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
                                                                             request.capabilities))
             desc = self.hub.join(silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
-                                 int(request.skipped_images))
+                                 int(request.skipped_images), preparing=bool(request.preparing))
         except Refusal as r:
             self._abort(context, r)
         if self.on_join is not None:

@@ -1,7 +1,8 @@
 """A worker process hosting several simulated silos, each with its own certificate, data, state and gRPC channel.
 
-Silos in one worker take turns to train (one lock), so a small pool of workers can host a hundred silos on a
-two-core machine while every silo still speaks to the hub over its own mutual-TLS connection.
+Silos in one worker take turns: each waits for its tasks on its own thread and mutual-TLS connection, and all of
+them load, train and upload on one shared thread, one job at a time (see SiloClient: one OpenMP thread team per
+process), so a small pool of workers can host a hundred silos on a two-core machine.
 
 With `metrics_port` in the spec the worker serves ONE /metrics endpoint for all its silos, one series per silo
 (label `silo`), and writes the port it got to `metrics_port_file`.
@@ -10,6 +11,7 @@ With `metrics_port` in the spec the worker serves ONE /metrics endpoint for all 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import signal
@@ -36,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if spec.get("metrics_port") is not None:
         server = families.serve(spec.get("metrics_host", "127.0.0.1"), int(spec["metrics_port"]))
         Path(spec["metrics_port_file"]).write_text(str(server.port))
-    train_lock, stop = threading.Lock(), threading.Event()
+    stop = threading.Event()
+    work_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="silo-work")
+
+    def run_work(work, *args):
+        return work_thread.submit(work, *args).result()
+
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     results: dict[str, int] = {}
 
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
-            ), train_lock=train_lock, stop_event=stop,
+            ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             results[name] = client.run_forever()
         except Exception as err:  # one silo's failure must not take the others down
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         while t.is_alive():
             t.join(timeout=0.5)
+    work_thread.shutdown(wait=False, cancel_futures=True)
     if server is not None:
         # Let Prometheus see the end. When the sim registered us with a Prometheus, wait even if no scrape came yet
         # (a short run can end before discovery) and for a few scrapes, so that rates over the end have samples.

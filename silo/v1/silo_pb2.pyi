@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("client_version", "num_unlabeled", "num_labeled", "capabilities", "device", "skipped_images")
+    __slots__ = ("client_version", "num_unlabeled", "num_labeled", "capabilities", "device", "skipped_images", "preparing")
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_UNLABELED_FIELD_NUMBER: _ClassVar[int]
     NUM_LABELED_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PREPARING_FIELD_NUMBER: _ClassVar[int]
     client_version: str
     num_unlabeled: int
     num_labeled: int
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     device: str
     skipped_images: int
-    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ...) -> None: ...
+    preparing: bool
+    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: _Optional[bool] = ...) -> None: ...
 
 class RunDescription(_message.Message):
     __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes")

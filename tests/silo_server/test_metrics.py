@@ -45,8 +45,11 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
         assert before[("silokit_hub_secagg_stage_duration_seconds_count", (("stage", stage),))] == 0
     assert before[("silokit_hub_dp_epsilon_spent", ())] == 0 and before[("silokit_hub_dp_epsilon_budget", ())] == 0
 
-    for s in ("a", "b"):
-        hub.join(s, 10, 0, "cpu")
+    hub.join("a", 10, 0, "cpu")
+    hub.join("b", 10, 0, "cpu", preparing=True)  # still loading its images
+    loading = samples(m)
+    assert loading[("silokit_hub_silos_connected", ())] == 2 and loading[("silokit_hub_silos_preparing", ())] == 1
+    hub.join("b", 10, 0, "cpu")
     thread, out = start_round(hub)
     ta, tb = wait_task(hub, "a"), wait_task(hub, "b")
     bundle = hub.download("a", hub.run_id, ta.task_id)
@@ -74,6 +77,7 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
     assert after[("silokit_hub_round_duration_seconds_count", ())] == 1
     assert after[("silokit_hub_aggregation_duration_seconds_count", ())] == 1
     assert after[("silokit_hub_silos_enrolled", ())] == 2 and after[("silokit_hub_silos_connected", ())] == 2
+    assert after[("silokit_hub_silos_preparing", ())] == 0
     assert after[("silokit_hub_silo_rounds_contributed", (("silo", "a"),))] == 1
     assert after[("silokit_hub_silo_rounds_contributed", (("silo", "b"),))] == 0
     # SemiFL-style single tau: every class must pass the same threshold.

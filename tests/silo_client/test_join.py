@@ -1,0 +1,82 @@
+"""A silo joins in two steps: known to the hub while it loads its images, sampled only once it reports ready."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from silo_client.client import SiloClient, SiloError, SiloSettings, rehearse
+from silo_core.algorithms.base import SiloData
+from silo_core.models import ModelSpec
+from silo_server.app import HubApp
+from tests.silo_client.test_cli_errors import write_images
+from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
+from tests.silo_server.test_insecure_dev import _config
+
+
+def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) -> None:
+    write_images(tmp_path / "images", n=5)
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")  # counted as a file, skipped when loading
+    app = HubApp(_config(tmp_path, allowed_silos=["dev-1"]), insecure_dev_only=True)
+    port = app.start_server()
+    joins: list[tuple[bool, int, int]] = []
+    real_join = app.hub.join
+
+    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False):
+        joins.append((preparing, num_unlabeled, skipped_images))
+        return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing)
+
+    app.hub.join = recording_join
+    client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",
+                                     state_dir=tmp_path / "silo-state", insecure_dev_silo_id="dev-1"))
+    seen_while_loading: dict[str, list[str]] = {}
+    real_load = client._load
+
+    def load_and_look(run):
+        seen_while_loading.update(live=app.hub.live_silos(), preparing=app.hub.preparing_silos())
+        return real_load(run)
+
+    client._load = load_and_look
+    try:
+        client._join()
+        assert seen_while_loading == {"live": [], "preparing": ["dev-1"]}
+        # First the file count, then what loaded: 5 images, the broken file skipped.
+        assert joins == [(True, 6, 0), (False, 5, 1)]
+        assert app.hub.live_silos() == ["dev-1"] and app.hub.preparing_silos() == []
+        record = app.hub.silos["dev-1"]
+        assert (record.num_unlabeled, record.skipped_images, record.ready) == (5, 1, True)
+        # A second join (after a hub restart, say) has nothing to load: one Join, ready at once.
+        client._join()
+        assert joins[2:] == [(False, 5, 1)]
+    finally:
+        client.close()
+        app.stop(0)
+
+
+def test_the_hub_waits_for_a_preparing_silo_before_it_samples(tmp_path) -> None:
+    hub = make_hub(tmp_path, min_silos=2)
+    hub.join("a", 10, 0, "cpu")
+    hub.join("b", 10, 0, "cpu", preparing=True)
+    assert (hub.live_silos(), hub.preparing_silos()) == (["a"], ["b"])
+    thread, out = start_round(hub)
+    assert hub.next_task("a", hub.run_id, wait_s=1.0).kind == "WAIT"  # b is loading: no round yet
+    hub.join("b", 9, 0, "cpu", skipped_images=1)
+    tasks = {s: wait_task(hub, s) for s in ("a", "b")}
+    assert tasks["a"].task_id == tasks["b"].task_id and len(hub.task.sampled) == 2
+    for silo, task in tasks.items():
+        upload(hub, silo, task, result(1.0))
+    thread.join(timeout=10)
+    assert out["state"].round == 1 and hub.history[-1]["silos_reported"] == 2
+
+
+def test_rehearsal_leaves_the_random_state_alone_and_takes_a_single_image() -> None:
+    images = torch.randint(0, 256, (1, 1, 28, 28), dtype=torch.uint8)
+    before = torch.get_rng_state()
+    rehearse(ModelSpec(), SiloData(images=images), torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_model_the_device_cannot_run_fails_at_start_with_what_to_do() -> None:
+    rgb = torch.zeros(4, 3, 28, 28, dtype=torch.uint8)  # a network for one channel cannot take these
+    with pytest.raises(SiloError, match=r"could not run the run's model \(small_cnn\) on device cpu: .*--device cpu"):
+        rehearse(ModelSpec(in_channels=1), SiloData(images=rgb), torch.device("cpu"))
