@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["codec", "bytes", "overhead", "memory"], action="append")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "systems" / "results")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="overhead: runs each way, alternating (medians are compared; default 3)")
     args = p.parse_args(argv)
     chosen = args.only or ["codec", "bytes", "overhead", "memory"]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -157,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                           "cuda": torch.cuda.is_available()}
     for name in chosen:
         print(f"running {name} ...", flush=True)
-        results[name] = {"codec": bench_codec, "bytes": bench_bytes, "overhead": bench_overhead,
-                         "memory": bench_memory}[name]()
+        measure = {"codec": bench_codec, "bytes": bench_bytes, "memory": bench_memory,
+                   "overhead": lambda: bench_overhead(repeats=args.repeats)}[name]
+        results[name] = measure()
         print(json.dumps(results[name], indent=1), flush=True)
     path.write_text(json.dumps(results, indent=1))
     (args.out / "report.md").write_text(report(results))
