@@ -414,29 +414,34 @@ class Hub:
             if stage == "advertise_keys" and not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
         total = int(header.get("total_bytes", 0))
-        # Not under upload_budget: a stage message's size has no plan to be checked against, so one silo could
-        # announce wire.max_upload_bytes, hold the whole budget and stall every other upload.
-        try:
-            assembler = ChunkAssembler(total, self.max_upload_bytes)
-            for offset, data in chunks:
-                assembler.add(offset, data)
-            payload = assembler.finish(str(header.get("sha256", "")))
-        except CodecError as err:
-            code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
-            raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
-        with self.cond:
-            if self.task is not t:
-                raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
+        # Checked before any room in the upload budget is held: a silo cannot hold more of it than its stage takes.
+        limit = HubPrivacy.stage_bytes(t.privacy, stage)
+        if total > limit:
+            raise self.refuse(silo_id, "RESOURCE_EXHAUSTED", "oversized",
+                              f"a {stage} message of {total} bytes exceeds the {limit} this round's session allows")
+        # Under the budget like any upload: a hundred masked inputs arriving together wait for room in turn.
+        with self.upload_budget.hold(total, lambda: self.task is t):
             try:
-                HubPrivacy.receive(t.privacy, silo_id, stage, payload)
-            except ProtocolError as err:
-                code = "ALREADY_EXISTS" if "already sent" in str(err) else "INVALID_ARGUMENT"
-                raise self.refuse(silo_id, code, "bad_secagg", str(err)) from None
-            if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
-                t.reported.add(silo_id)
-                self.silos[silo_id].rounds_contributed += 1
-            t.bytes_up += total
-            self.cond.notify_all()
+                assembler = ChunkAssembler(total, limit)
+                for offset, data in chunks:
+                    assembler.add(offset, data)
+                payload = assembler.finish(str(header.get("sha256", "")))
+            except CodecError as err:
+                code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
+                raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
+            with self.cond:
+                if self.task is not t:
+                    raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the round closed during the upload")
+                try:
+                    HubPrivacy.receive(t.privacy, silo_id, stage, payload)
+                except ProtocolError as err:
+                    code = "ALREADY_EXISTS" if "already sent" in str(err) else "INVALID_ARGUMENT"
+                    raise self.refuse(silo_id, code, "bad_secagg", str(err)) from None
+                if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
+                    t.reported.add(silo_id)
+                    self.silos[silo_id].rounds_contributed += 1
+                t.bytes_up += total
+                self.cond.notify_all()
         log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)
 
     # ------------------------------------------------------------------ the round loop

@@ -34,6 +34,7 @@ from security.dp import (
     update_norm,
 )
 from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggParams
+from security.secagg import messages as msg
 from security.secagg.params import QuantizationRule
 from security.secagg.quantize import rule_for
 from silo_core.dp_sgd import SampleDPConfig
@@ -164,6 +165,14 @@ class HubPrivacy:
             if norm > rp.instructions.clip_norm * (1 + 1e-4) + 1e-12:
                 raise ProtocolError(f"update norm {norm:.6g} exceeds the round's clip norm "
                                     f"{rp.instructions.clip_norm:.6g}")
+
+    @staticmethod
+    def stage_bytes(rp: RoundPrivacy, stage: str) -> int:
+        """The largest message a silo may send at `stage` of this round's session: a masked input is as large as
+        the round's tensors in the ring; every other stage is a JSON message."""
+        if stage == "masked_input" and rp.session is not None:
+            return rp.session.masked_input_bytes()
+        return msg.MAX_JSON_BYTES
 
     @staticmethod
     def receive(rp: RoundPrivacy, silo_id: str, stage: str, payload: bytes) -> None:

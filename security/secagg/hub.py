@@ -208,11 +208,16 @@ class HubSession:
         return inboxes
 
     # ------------------------------------------------------------------ stage 2: masked input
+    def masked_input_bytes(self) -> int:
+        """The most a masked input may take: its tensors in the ring's dtype plus a safetensors header (names,
+        shapes, offsets, the session and silo labels), and never more than params.max_masked_bytes."""
+        header = 8 + 1024 + 256 * len(self.shapes)
+        return min(self.params.max_masked_bytes, header + self.size * self.dtype.itemsize)
+
     def receive_masked_input(self, silo_id: str, payload: bytes) -> None:
         """Check and add y_i into the running sum at once (mod 2^m); the input itself is not kept."""
         self._expect("masked_input", silo_id, self.u2, self.masked_from)
-        arrays = msg.parse_masked(payload, self.session, silo_id, self.shapes, self.dtype,
-                                  self.params.max_masked_bytes)
+        arrays = msg.parse_masked(payload, self.session, silo_id, self.shapes, self.dtype, self.masked_input_bytes())
         y = np.concatenate([arrays[n].reshape(-1) for n in self.names]) if self.names else self.total[:0]
         np.add(self.total, y, out=self.total)
         self.masked_from.add(silo_id)

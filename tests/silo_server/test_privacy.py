@@ -121,6 +121,43 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     assert hub.history[-1]["silos_reported"] == 5 and all(not s.refused for s in silos)
 
 
+class OversizedMaskedInput(Silo):
+    """Announces a masked input one byte larger than the round's session allows; records whether it was read."""
+
+    chunks_read = 0
+
+    def send_stage(self, task_id, round_, stage, payload):
+        if stage != "masked_input":
+            return super().send_stage(task_id, round_, stage, payload)
+        limit = HubPrivacy.stage_bytes(self.hub.task.privacy, stage)
+
+        def chunks():
+            self.chunks_read += 1
+            yield 0, payload
+
+        header = {"run_id": self.hub.run_id, "task_id": task_id, "round": round_, "secagg_stage": stage,
+                  "total_bytes": limit + 1, "sha256": sha256_hex(payload)}
+        self.hub.upload(self.silo_id, header, chunks())
+
+
+def test_secure_aggregation_messages_wait_for_the_upload_budget_and_cannot_overstate_their_size(tmp_path):
+    masked_bytes = 4 * D + 1024  # D ring elements of 4 bytes and a safetensors header: about 17 KB
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG), max_inflight_upload_bytes=masked_bytes)
+    values = {"s0": 1.0, "s1": 2.0, "s2": 3.0, "s3": 4.0, "s4": 5.0}
+    silos = [(OversizedMaskedInput if s == "s4" else Silo)(hub, s, v) for s, v in values.items()]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    for s in silos:
+        s.join(5)
+    # Four masked inputs passed through the budget one at a time (two would not fit); the fifth was refused on its
+    # header, before a byte of it was read, and the round went on without it.
+    assert 4 * D < hub.upload_budget.peak <= masked_bytes and hub.upload_budget.held == 0
+    assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0  # it retried until the stage closed
+    assert hub.history[-1]["secagg_u3"] == 4 and hub.history[-1]["secagg_contributors"] == 4
+    assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
+
+
 def test_a_hub_restart_mid_protocol_reruns_the_round_with_fresh_keys(tmp_path):
     section = PrivacySection(secure_aggregation=SECAGG)
     first = make(tmp_path, section)
