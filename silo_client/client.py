@@ -132,7 +132,7 @@ class SiloClient:
     here, on the silo's own thread, by default. silo-sim hosts many silos in one process and passes a function that
     runs the work of all of them on one shared thread instead, one job at a time: torch then keeps a single team of
     OpenMP threads, which spin between operations; with a team per silo thread (more threads than cores) OpenMP
-    stops spinning and local training ran 15-60% slower (bench/systems, deployment overhead)."""
+    stops spinning and local training ran 5-30% slower a round (bench/systems, deployment overhead)."""
 
     def __init__(self, settings: SiloSettings, run_work: Callable[..., Any] = run_here,
                  stop_event: threading.Event | None = None, metrics: SiloMetrics | None = None):
