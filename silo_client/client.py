@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
@@ -83,9 +83,6 @@ def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) ->
         raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
 
 
-T = TypeVar("T")
-
-
 def data_key(run: silo_pb2.RunDescription) -> tuple[int, int]:
     """What the loaded images depend on: a run with another image size or channel count needs them loaded again."""
     return (run.image_size, run.in_channels)
@@ -123,7 +120,7 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     return f"{err.code().name}: {details}"
 
 
-def run_here(work: Callable[..., T], *args: Any) -> T:
+def run_here(work: Callable[..., Any], *args: Any) -> Any:
     return work(*args)
 
 

@@ -414,8 +414,9 @@ class Hub:
             if stage == "advertise_keys" and not t.open:
                 raise self.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
         total = int(header.get("total_bytes", 0))
-        # Checked before any room in the upload budget is held: a silo cannot hold more of it than its stage takes.
-        limit = HubPrivacy.stage_bytes(t.privacy, stage)
+        # Checked before any room in the upload budget is held: a silo cannot hold more of it than its stage takes,
+        # nor send more than wire.max_upload_bytes.
+        limit = min(self.max_upload_bytes, HubPrivacy.stage_bytes(t.privacy, stage))
         if total > limit:
             raise self.refuse(silo_id, "RESOURCE_EXHAUSTED", "oversized",
                               f"a {stage} message of {total} bytes exceeds the {limit} this round's session allows")
@@ -447,13 +448,15 @@ class Hub:
     # ------------------------------------------------------------------ the round loop
     def live_silos(self) -> list[str]:
         """Silos that can be sampled: heard from within liveness_s and done preparing."""
-        now = time.time()
-        return sorted(s for s, r in self.silos.items() if r.ready and now - r.last_seen <= self.liveness_s)
+        return self._heard_from(ready=True)
 
     def preparing_silos(self) -> list[str]:
         """Silos heard from within liveness_s that are still loading their images."""
+        return self._heard_from(ready=False)
+
+    def _heard_from(self, ready: bool) -> list[str]:
         now = time.time()
-        return sorted(s for s, r in self.silos.items() if not r.ready and now - r.last_seen <= self.liveness_s)
+        return sorted(s for s, r in self.silos.items() if r.ready == ready and now - r.last_seen <= self.liveness_s)
 
     def _sample_count(self, available: int) -> int:
         if self.silos_per_round <= 1.0:
