@@ -122,9 +122,11 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
 
 
 class OversizedMaskedInput(Silo):
-    """Announces a masked input one byte larger than the round's session allows; records whether it was read."""
+    """Announces a masked input `extra` bytes larger than the round's session allows (0: the most it allows);
+    records whether it was read."""
 
     chunks_read = 0
+    extra = 1
 
     def send_stage(self, task_id, round_, stage, payload):
         if stage != "masked_input":
@@ -136,7 +138,7 @@ class OversizedMaskedInput(Silo):
             yield 0, payload
 
         header = {"run_id": self.hub.run_id, "task_id": task_id, "round": round_, "secagg_stage": stage,
-                  "total_bytes": limit + 1, "sha256": sha256_hex(payload)}
+                  "total_bytes": limit + self.extra, "sha256": sha256_hex(payload)}
         self.hub.upload(self.silo_id, header, chunks())
 
 
@@ -154,6 +156,25 @@ def test_secure_aggregation_messages_wait_for_the_upload_budget_and_cannot_overs
     # header, before a byte of it was read, and the round went on without it.
     assert 4 * D < hub.upload_budget.peak <= masked_bytes and hub.upload_budget.held == 0
     assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0  # it retried until the stage closed
+    assert hub.history[-1]["secagg_u3"] == 4 and hub.history[-1]["secagg_contributors"] == 4
+    assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
+
+
+def test_an_operators_smaller_upload_cap_still_bounds_secure_aggregation_messages(tmp_path):
+    # wire.max_upload_bytes below the session's bound for a masked input (4 * D ring bytes + 1,288 of header room)
+    # but above what an honest masked input takes: the cap, not the looser stage bound, decides.
+    cap = 4 * D + 600
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG), max_upload_bytes=cap)
+    values = {"s0": 1.0, "s1": 2.0, "s2": 3.0, "s3": 4.0, "s4": 5.0}
+    silos = [(OversizedMaskedInput if s == "s4" else Silo)(hub, s, v) for s, v in values.items()]
+    silos[4].extra = 0  # within what the session allows, over the operator's cap
+    for s in silos:
+        s.start()
+    state = hub.run()
+    for s in silos:
+        s.join(5)
+    assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0
+    assert all(not s.refused for s in silos[:4])  # honest masked inputs fit under the cap
     assert hub.history[-1]["secagg_u3"] == 4 and hub.history[-1]["secagg_contributors"] == 4
     assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
 
