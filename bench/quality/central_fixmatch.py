@@ -1,6 +1,7 @@
 """What could this network learn from the same images if they were not federated? FixMatch in one place.
 
     python bench/quality/central_fixmatch.py --steps 24000 --out bench/quality/results/ablations/central-fixmatch
+    python bench/quality/central_fixmatch.py ... --head flatten   # small_cnn's flatten head, as run.py's --head
 
 A reference row for the quality table, not a federated method. It takes the full profile's data for one seed (the
 hub's 250 labels, the 59,500 silo images pooled in one place without their labels, the 10,000 test images), the
@@ -40,7 +41,7 @@ import run as quality  # noqa: E402
 from silo_core.algorithms.fedavg_fixmatch import fixmatch_loss as unlabeled_fixmatch_loss  # noqa: E402
 from silo_core.augment import strong_augment, to_float, weak_augment  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
-from silo_core.models import ModelSpec, count_parameters  # noqa: E402
+from silo_core.models import HEADS, ModelSpec, count_parameters  # noqa: E402
 from silo_core.sbn import compute_static_bn  # noqa: E402
 from silo_core.training import (  # noqa: E402
     OptimizerSettings,
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", type=Path,
                    default=Path(os.environ.get("SILOKIT_DATA", ROOT.parent / "shared" / "data")),
                    help="folder holding FashionMNIST/raw (torchvision layout; never downloads)")
+    p.add_argument("--head", choices=list(HEADS), default="pool",
+                   help="small_cnn's classifier head, as run.py's --head (default pool)")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     x_labeled, y_labeled = train.images[hub_idx], train.labels[hub_idx]
     x_unlabeled = train.images[rest]  # their labels are never read
 
-    spec = ModelSpec(name="small_cnn", num_classes=len(train.classes))
+    spec = ModelSpec(name="small_cnn", num_classes=len(train.classes),
+                     options={"head": args.head} if args.head != "pool" else {})
     torch.manual_seed(args.seed)
     model = spec.build().to(device)
     ema = copy.deepcopy(model)
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 "method": "central FixMatch (reference, not federated)", "seed": args.seed,
                 "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "labeled": len(x_labeled), "unlabeled": len(x_unlabeled), "test": len(test.labels),
-                "model": "small_cnn", "parameters": count_parameters(spec.build()),
+                "model": "small_cnn", "model_options": spec.options, "parameters": count_parameters(spec.build()),
                 "final_accuracy": accuracy, "history": history, "machine": quality.machine()})
     return 0
 

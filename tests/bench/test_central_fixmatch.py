@@ -50,12 +50,14 @@ def test_bad_arguments_are_refused_with_the_option_named(tmp_path):
 def test_a_few_steps_write_every_evaluation(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", "20", "--eval-every", "10",
                            "--labeled-batch", "8", "--mu", "2", "--unlabeled-limit", "400", "--test-limit", "300",
-                           "--data-root", str(DATA), "--threads", "2", "--device", "cpu"],
+                           "--data-root", str(DATA), "--threads", "2", "--device", "cpu", "--head", "flatten"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert (saved["labeled"], saved["unlabeled"], saved["test"]) == (250, 400, 300)
     assert [h["step"] for h in saved["history"]] == [10, 20]
+    # small_cnn with the flatten head: 64 x 7 x 7 features into 10 classes instead of 64 (run.py's --head)
+    assert saved["model_options"] == {"head": "flatten"} and saved["parameters"] == 64_058
     assert all(0.0 <= h["test_accuracy"] <= 1.0 and 0.0 <= h["pass_share"] <= 1.0 for h in saved["history"])
     assert saved["final_accuracy"] == saved["history"][-1]["test_accuracy"]
     assert all(math.isfinite(h["train_loss"]) for h in saved["history"])
