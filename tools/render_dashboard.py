@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--labels-per-class", type=int, default=10)
     p.add_argument("--unlabeled", type=int, default=1800)
+    p.add_argument("--validation-per-class", type=int, default=10,
+                   help="the hub's validation split, so the validation-accuracy series has data (0: none)")
     p.add_argument("--option", action="append", help="silo-sim --option (repeatable; default: local_epochs=1, "
                    "hub_epochs=2)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
@@ -240,7 +242,7 @@ def run_and_collect(args: argparse.Namespace) -> dict | None:
         started = time.time()
         command = [sys.executable, "-m", "silo_sim.cli", "--silos", str(args.silos), "--workers", str(args.workers),
                    "--rounds", str(args.rounds), "--labels-per-class", str(args.labels_per_class), "--unlabeled",
-                   str(args.unlabeled), "--no-baseline", "--workdir", str(work / "sim"),
+                   str(args.unlabeled), "--validation-per-class", str(args.validation_per_class), "--no-baseline", "--workdir", str(work / "sim"),
                    "--prometheus-targets", str(prom.targets)]
         for option in args.option or ["local_epochs=1", "hub_epochs=2"]:
             command += ["--option", option]
