@@ -32,7 +32,9 @@ _HUB_NEXT = (
 _SILO_NEXT = "copy {out} to the branch '{name}' and run silo-client --certs {out} ..."
 _CRL_NEXT = (
     "copy {crl} to the hub, over crl.pem in its certificate bundle (server.certs) or the file security.crl "
-    "names in hub.yaml; the running hub reloads it and checks it on every call, no restart"
+    "names in hub.yaml; the running hub reloads it and checks it on every call, no restart. If you revoked the "
+    "hub's own certificate, also copy it over crl.pem in every silo's bundle (--certs): a silo checks the hub "
+    "against it before joining and before a round (at most once a minute)"
 )
 
 
@@ -238,8 +240,9 @@ def _cmd_revoke(args: argparse.Namespace) -> None:
     for e in revoked:
         print(f"revoked {e.kind} certificate '{e.name}' (serial {e.serial}, bundle {e.path})")
     if any(e.kind == "hub" for e in revoked):
-        print("note: silos cannot check a CRL for the hub; issue a new hub certificate now "
-              f"(`silo-certs renew hub --ca {args.ca}`) and see docs/security.md on a compromised hub key")
+        print(f"note: issue a new hub certificate now (`silo-certs renew hub --ca {args.ca}`), and copy crl.pem "
+              "over crl.pem in every silo's bundle: a silo refuses a hub whose certificate it lists "
+              "(docs/security.md, a compromised hub key)")
     _print_crl(args.ca)
 
 

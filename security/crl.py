@@ -43,7 +43,7 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
 class RevocationList:
     """Serials revoked by the federation CA, from ``crl_path``, verified against the CA certificate ``ca_path``."""
 
-    def __init__(self, crl_path: Path, ca_path: Path):
+    def __init__(self, crl_path: Path, ca_path: Path, where_set: str = "point security.crl at it"):
         self.crl_path, self.ca_path = Path(crl_path), Path(ca_path)
         self._lock = threading.Lock()
         self._seen: tuple | None = None  # file signatures of the last load attempt, good or bad
@@ -59,7 +59,7 @@ class RevocationList:
         except (OSError, PkiError) as e:
             raise CrlError(
                 f"cannot use the revocation list {self.crl_path}: {e}. Copy crl.pem from the CA directory "
-                "(`silo-certs crl --ca CA_DIR` re-signs it) or point security.crl at it"
+                f"(`silo-certs crl --ca CA_DIR` re-signs it) or {where_set}"
             ) from None
 
     @property

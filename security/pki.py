@@ -13,8 +13,9 @@ machine::
     ca.pem        the federation CA certificate (trust anchor for the peer)
     cert.pem      this machine's certificate
     key.pem       this machine's private key (0600, never encrypted: gRPC cannot read encrypted keys)
-    crl.pem       hub bundles only: a copy of the CA's revocation list, which the hub checks on every call
-                  (replace it with the CA's crl.pem after each `silo-certs revoke`; the hub reloads it)
+    crl.pem       a copy of the CA's revocation list: the hub checks every caller against it on every call, a
+                  silo checks the hub's certificate against it before joining and before every round (replace
+                  it with the CA's crl.pem after each `silo-certs revoke`; both re-read it when it changes)
 
 All keys are ECDSA P-256 and all signatures SHA-256: small, fast, and supported by every TLS stack gRPC uses.
 The inventory keeps a ``status`` per certificate and the CRL is rebuilt from it (:func:`write_crl`), so revoking
@@ -317,7 +318,7 @@ def _issue_bundle(
 ) -> Path:
     ca_dir, out_dir = Path(ca_dir), Path(out_dir)
     _check_days(days)
-    files = (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA) + ((BUNDLE_CRL,) if kind == "hub" else ())
+    files = (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA, BUNDLE_CRL)
     # Check the destination before unlocking the CA, so a typo costs nothing.
     _refuse_existing(out_dir / f for f in files)
     ca_cert, ca_key = load_ca(ca_dir, passphrase)
@@ -368,9 +369,8 @@ def _issue_bundle(
     _write_new(out_dir / BUNDLE_KEY, _key_pem(key), mode=0o600)
     _write_new(out_dir / BUNDLE_CERT, cert.public_bytes(serialization.Encoding.PEM))
     shutil.copyfile(ca_dir / CA_CERT, out_dir / BUNDLE_CA)
-    if kind == "hub":
-        # The hub checks every caller against this copy; `silo-certs revoke` says when to replace it.
-        shutil.copyfile(ca_dir / CRL, out_dir / BUNDLE_CRL)
+    # The hub checks every caller against this copy, a silo the hub; `silo-certs revoke` says when to replace it.
+    shutil.copyfile(ca_dir / CRL, out_dir / BUNDLE_CRL)
 
     entries = load_inventory(ca_dir)
     entries.append(

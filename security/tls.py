@@ -25,6 +25,8 @@ import datetime as dt
 import ipaddress
 import logging
 import os
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -214,6 +216,40 @@ def secure_channel(
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
     return grpc.secure_channel(target, channel_credentials(bundle_dir), options=opts)
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """("host", port) of a "host:port" or "[v6]:port" target."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"hub address {target!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def hub_tls_context(bundle_dir: Path) -> ssl.SSLContext:
+    """A TLS client context like the silo's gRPC channel: its own certificate, the federation CA as the only trust
+    anchor, the hub's name checked, ALPN h2. For :func:`hub_certificate`; build it once and reuse it."""
+    ca, _, _ = _read_bundle(bundle_dir, "client")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_verify_locations(cadata=ca.decode())
+    context.load_cert_chain(Path(bundle_dir) / BUNDLE_CERT, Path(bundle_dir) / BUNDLE_KEY)
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def hub_certificate(target: str, context: ssl.SSLContext, timeout_s: float = 10.0) -> x509.Certificate:
+    """The certificate the hub at ``target`` presents, verified in a handshake of our own (``hub_tls_context``;
+    the host part of ``target`` checked against its names). Lets a silo check the hub's serial against the CA's
+    revocation list, which gRPC Python cannot do in its own handshake. Raises OSError (ssl.SSLError included)
+    when no verified handshake happens."""
+    host, port = split_target(target)
+    with socket.create_connection((host, port), timeout=timeout_s) as raw:
+        with context.wrap_socket(raw, server_hostname=host) as conn:
+            der = conn.getpeercert(binary_form=True)
+    if der is None:
+        raise ssl.SSLError(f"the hub at {target} presented no certificate")
+    return x509.load_der_x509_certificate(der)
 
 
 def peer_identity(context: grpc.ServicerContext) -> str | None:

@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(HASSLE trains on them; a fully labeled site may omit --data)")
     p.add_argument("--hub", default="localhost:50051", help="HOST:PORT of the hub (default localhost:50051)")
     p.add_argument("--certs", type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem (required)")
+    p.add_argument("--crl", type=Path, metavar="FILE",
+                   help="the federation CA's crl.pem: refuse a hub whose certificate it revokes (default: crl.pem in "
+                        "--certs when there is one)")
     p.add_argument("--insecure-dev-only", action="store_true",
                    help="DEVELOPMENT ONLY: plaintext to a `silo-server --insecure-dev-only` hub on this machine, "
                         "without certificates; needs --silo-id. Never with real data")
@@ -42,11 +45,15 @@ def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--insecure-dev-only needs --silo-id NAME (there is no certificate to name this silo)")
         if args.certs:
             parser.error("--certs and --insecure-dev-only exclude each other: drop --insecure-dev-only to use TLS")
+        if args.crl:
+            parser.error("--crl checks the hub's certificate; with --insecure-dev-only there is none")
     else:
         if args.silo_id:
             parser.error("--silo-id only applies with --insecure-dev-only; with TLS the id is the certificate's name")
         if not args.certs:
             parser.error("the following arguments are required: --certs (a bundle from `silo-certs issue-silo`)")
+
+
 def silo_label(certs: Path) -> str:
     """The silo id for metric labels: the CN of the bundle's certificate (the identity the hub sees)."""
     from security.pki import cert_common_name
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         client = SiloClient(SiloSettings(
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
-            insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None,
+            insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None, crl=args.crl,
         ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
         rc = client.run_forever()

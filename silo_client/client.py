@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,9 @@ from typing import Any
 import grpc
 import torch
 
-from security.tls import insecure_dev_channel, secure_channel
+from security.crl import CrlError, RevocationList
+from security.pki import BUNDLE_CA, BUNDLE_CRL
+from security.tls import hub_certificate, hub_tls_context, insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.privacy import SiloPrivacy, upload_stage
@@ -44,10 +48,15 @@ from silo_core.tensors import (
 from silo_core.training import resolve_device
 
 VERSION = "0.1.0"
+HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
 
 
 class SiloError(RuntimeError):
     """A problem the operator of this silo must fix; the message says what and how."""
+
+
+class HubCertificateUnchecked(Exception):
+    """The hub's certificate could not be fetched to check it against the revocation list (the silo retries)."""
 
 
 @dataclass
@@ -63,6 +72,7 @@ class SiloSettings:
     labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
     # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
     insecure_dev_silo_id: str | None = None
+    crl: Path | None = None  # the CA's revocation list to check the hub against (default: crl.pem in the bundle)
 
 
 def count_image_files(root: Path) -> int:
@@ -160,6 +170,9 @@ class SiloClient:
             raise SiloError("no certificate bundle given: pass --certs with a bundle from `silo-certs issue-silo`")
         else:
             self.channel = secure_channel(settings.hub, settings.certs, options=options)
+        self.revocations = self._revocation_list()
+        self.hub_tls = hub_tls_context(settings.certs) if self.revocations is not None else None
+        self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
         self.silo_id = ""
@@ -171,11 +184,53 @@ class SiloClient:
         self.privacy = SiloPrivacy(send_result=self._upload,
                                    send_stage=lambda *args: upload_stage(self, *args))
 
+    # ------------------------------------------------------------------ the hub's certificate
+    def _revocation_list(self) -> RevocationList | None:
+        """The CA's revocation list (--crl, else crl.pem in the bundle when there is one), or None: no check."""
+        if self.s.certs is None:
+            return None
+        path = self.s.crl or self.s.certs / BUNDLE_CRL
+        if self.s.crl is None and not path.is_file():
+            return None
+        try:
+            return RevocationList(path, self.s.certs / BUNDLE_CA, where_set="pass --crl with the CA's crl.pem")
+        except CrlError as err:
+            raise SiloError(str(err)) from None
+
+    def _check_hub_certificate(self, unless_checked_within_s: float = 0.0) -> None:
+        """Refuse a hub whose certificate the CA has revoked. gRPC Python cannot check a CRL in its handshake, so
+        a handshake of our own (a few ms) fetches the certificate the hub's address serves; done before joining and
+        before a round's download once a minute, so a key stolen from the hub is refused within a minute of the
+        new crl.pem reaching the silo. HubCertificateUnchecked when the hub cannot be reached or does not pass
+        verification (the caller retries)."""
+        if self.revocations is None or self.hub_tls is None:
+            return
+        if time.monotonic() - self.hub_checked_at < unless_checked_within_s:
+            return
+        try:
+            serial = hub_certificate(self.s.hub, self.hub_tls).serial_number
+        except ssl.SSLError as err:
+            raise HubCertificateUnchecked(
+                f"TLS handshake with the hub at {self.s.hub} failed ({err}), so its certificate could not be checked "
+                f"against the revocation list; check that --certs holds a bundle issued by the hub's CA and that "
+                f"--hub names the host on the hub certificate") from None
+        except OSError as err:
+            raise HubCertificateUnchecked(f"cannot reach the hub at {self.s.hub} to check its certificate ({err}); "
+                                          f"check --hub HOST:PORT and that silo-server runs") from None
+        if not self.revocations.is_revoked(serial):
+            self.hub_checked_at = time.monotonic()
+        else:
+            raise SiloError(
+                f"the hub at {self.s.hub} presents certificate serial {serial:x}, which the federation CA revoked "
+                f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
+                f"was sent. Ask the federation's operator for the hub's current address and certificate")
+
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
         """Join the hub's run. A silo without its images for this run joins as `preparing` first (the run says the
         image size to load them at), loads them and tries the model on its device, and only then joins ready: the
         hub samples ready silos only, so round 1 does not wait on a silo's loading."""
+        self._check_hub_certificate()
         run = self._announce(preparing=self.data is None)
         if self.data is None or self.data_key != data_key(run):
             self.data, self.data_key = self._load(run), data_key(run)
@@ -282,6 +337,7 @@ class SiloClient:
         self.metrics.sent(len(payload))
 
     def _train(self, task: silo_pb2.Task) -> None:
+        self._check_hub_certificate(unless_checked_within_s=HUB_CHECK_EVERY_S)
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
         tensors = self._download(task)
         plan = RoundPlan(round=task.round, tensors=tensors, hyperparameters=json.loads(task.hyperparameters_json or "{}"),
@@ -349,14 +405,8 @@ class SiloClient:
                     raise SiloError(f"the hub refused this silo: {err.details()}; check --certs") from None
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    now = time.time()
-                    unreachable_since = unreachable_since or now
-                    message = describe_rpc_error(err, self.s.hub)
-                    if self.s.connect_timeout_s and now - unreachable_since > self.s.connect_timeout_s:
-                        raise SiloError(f"{message}; gave up after {self.s.connect_timeout_s:.0f}s") from None
-                    self.log.warning("%s; retrying in %.0fs", message, backoff)
-                    self.stop_event.wait(backoff * (0.75 + 0.5 * random.random()))
-                    backoff = min(backoff * 2, 30.0)
+                    unreachable_since = unreachable_since or time.time()
+                    backoff = self._back_off(describe_rpc_error(err, self.s.hub), backoff, unreachable_since)
                     joined = False if code == grpc.StatusCode.UNAVAILABLE else joined
                     continue
                 self.log.warning("hub refused a request: %s", describe_rpc_error(err, self.s.hub))
@@ -364,7 +414,20 @@ class SiloClient:
             except CodecError as err:
                 self.log.warning("bad bundle from the hub (%s); asking again", err)
                 self.stop_event.wait(1.0)
+            except HubCertificateUnchecked as err:
+                self.metrics.hub_error("UNAVAILABLE")
+                unreachable_since = unreachable_since or time.time()
+                backoff = self._back_off(str(err), backoff, unreachable_since)
         return 0
+
+    def _back_off(self, message: str, backoff: float, unreachable_since: float) -> float:
+        """Wait before trying the hub again (jittered); SiloError once it has been away for connect_timeout_s.
+        Returns the next wait."""
+        if self.s.connect_timeout_s and time.time() - unreachable_since > self.s.connect_timeout_s:
+            raise SiloError(f"{message}; gave up after {self.s.connect_timeout_s:.0f}s") from None
+        self.log.warning("%s; retrying in %.0fs", message, backoff)
+        self.stop_event.wait(backoff * (0.75 + 0.5 * random.random()))
+        return min(backoff * 2, 30.0)
 
     def close(self) -> None:
         self.channel.close()
