@@ -194,6 +194,7 @@ class Hub:
         self.phase = "starting"
         self.round = 0
         self.history: list[dict[str, Any]] = []
+        self.initial: dict[str, float] = {}  # the initial model's scores (validation_*, test_*), before round 1
         self.refusals: dict[str, int] = {}
         # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
         self.cert_not_after: dict[str, dt.datetime] = {}
@@ -494,6 +495,7 @@ class Hub:
         if loaded is not None:
             state, info = loaded
             self.history = info.get("history", [])
+            self.initial = info.get("initial", {})
             log.info("resumed from checkpoint after round %d", state.round)
             if self.privacy is not None:
                 self.privacy.load_state_dict(info.get("privacy"))
@@ -501,16 +503,23 @@ class Hub:
             log.info("no checkpoint in %s: initial hub training", self.state_dir)
             state = self.algorithm.init_state()
             self.history = []
+            # What the hub's labels alone taught the model, the mark every round is measured against; scoring it
+            # now also pays the evaluation's first-call costs before round 1 rather than in it.
+            self.initial = self._score(state)
+            if self.initial:
+                log.info("initial model (the hub's labels alone): %s",
+                         json.dumps({k: _short(v) for k, v in self.initial.items()}))
             self._checkpoint(state)
         self.round = state.round
         return state
 
     def _checkpoint(self, state: HubState) -> None:
-        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history}
+        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history, "initial": self.initial}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
         save_checkpoint(self.state_dir, state, info)
-        write_json_atomic(self.state_dir / "history.json", {"run_id": self.run_id, "rounds": self.history})
+        write_json_atomic(self.state_dir / "history.json",
+                          {"run_id": self.run_id, "initial": self.initial, "rounds": self.history})
 
     def run_round(self, state: HubState) -> HubState:
         r = state.round + 1
@@ -571,11 +580,7 @@ class Hub:
 
     def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
                         task: ActiveTask | None) -> HubState:
-        entry: dict[str, Any] = {"round": state.round, **metrics}
-        if self.validate_model is not None:
-            entry.update({f"validation_{k}": v for k, v in self.validate_model(state).items()})
-        if self.evaluate is not None:
-            entry.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
+        entry: dict[str, Any] = {"round": state.round, **metrics, **self._score(state)}
         entry["round_seconds"] = time.time() - started
         entry["hub_peak_rss_bytes"] = self.rss_meter.process_peak()
         if task is not None and task.rss_at_open is not None and task.rss_peak_collecting is not None:
@@ -605,6 +610,15 @@ class Hub:
         if self.on_round is not None:
             self.on_round(entry)
         return state
+
+    def _score(self, state: HubState) -> dict[str, float]:
+        """The served model's scores on the validation split and the test set, where the hub has them."""
+        scores: dict[str, float] = {}
+        if self.validate_model is not None:
+            scores.update({f"validation_{k}": v for k, v in self.validate_model(state).items()})
+        if self.evaluate is not None:
+            scores.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
+        return scores
 
     def _log_security(self) -> None:
         """Once a round: certificate expiry (hub and the soonest silo) and the refusals so far, by reason."""

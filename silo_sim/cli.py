@@ -160,11 +160,12 @@ def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-def _read_history(path: Path) -> list[dict[str, Any]]:
+def _read_history(path: Path, part: str = "rounds") -> Any:
+    """The hub's history.json: its rounds, or the initial model's scores (`part` "initial")."""
     try:
-        return json.loads(path.read_text()).get("rounds", [])
+        return json.loads(path.read_text()).get(part, [] if part == "rounds" else {})
     except (OSError, ValueError):
-        return []
+        return [] if part == "rounds" else {}
 
 
 def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]], float]:
@@ -298,7 +299,8 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
             "seconds": time.time() - started}
 
 
-def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str) -> Table:
+def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str,
+                  initial: dict[str, float] | None = None) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
     table.add_column("round", justify="right", no_wrap=True, min_width=11)
     best = BestRound.from_history(history)
@@ -307,6 +309,10 @@ def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None
     for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos", "round time",
                 "bytes up", "bytes down"):
         table.add_column(col, justify="right", no_wrap=True)
+    if initial:  # the hub's model before any silo took part
+        table.add_row("0 (hub only)", f"{initial.get('test_accuracy', float('nan')):.4f}",
+                      *((f"{initial.get('validation_accuracy', float('nan')):.4f} ",) if best.round else ()),
+                      "-", "-", "-", "-", "-", "-", style="dim")
     for h in history:
         validation = ((f"{h.get('validation_accuracy', float('nan')):.4f}{'*' if h['round'] == best.round else ' '}",)
                       if best.round else ())
@@ -392,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print("training the server-only baseline on the same labels ...")
             baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model,
                                             hub_config["model"].get("options"))
-        console.print(summary_table(history, baseline, args.algorithm))
+        initial = _read_history(staged.hub_state_dir / "history.json", "initial")
+        console.print(summary_table(history, baseline, args.algorithm, initial))
         final = history[-1] if history else {}
         if baseline and final:
             gain = 100 * (final.get("test_accuracy", 0) - baseline["test_accuracy"])
@@ -405,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = {
                 "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                              "algorithm_options": options, "cores": cores},
+                "initial": initial,
                 "rounds": history,
                 "baseline": baseline,
                 "final": final,

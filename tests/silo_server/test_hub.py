@@ -177,6 +177,26 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     assert info.value.code == "FAILED_PRECONDITION"
 
 
+def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tmp_path):
+    def score(state):  # the model's first value stands in for its accuracy
+        return {"accuracy": float(state.tensors["model/x"][0])}
+
+    hub = make_hub(tmp_path, evaluate=score, validate=score)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, _ = start_round(hub)
+    assert hub.initial == {"validation_accuracy": 0.0, "test_accuracy": 0.0}  # scored before any silo trained
+    for s in ("a", "b"):
+        upload(hub, s, wait_task(hub, s), result(0.5))
+    thread.join(10)
+    saved = json.loads((tmp_path / "history.json").read_text())
+    assert saved["initial"] == {"validation_accuracy": 0.0, "test_accuracy": 0.0}
+    assert [(h["round"], h["test_accuracy"], h["validation_accuracy"]) for h in saved["rounds"]] == [(1, 0.5, 0.5)]
+    again = make_hub(tmp_path, evaluate=score, validate=score)
+    again.resume_or_init()
+    assert again.initial == saved["initial"]  # not re-scored from the resumed model
+
+
 class TwoGroups(MeanOfSilos):
     """Two independent vectors; a site reports only the one it trained (`<g>/delta/x` = n * delta, `<g>/weight` = n)."""
 
