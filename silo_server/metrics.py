@@ -12,6 +12,7 @@ The round entry is the contract with algorithms and the privacy/secure-aggregati
 present, become metrics (absent keys leave the metric at zero, or at the algorithm's static value):
 
     test_accuracy, test_loss                 silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
+    (hub.initial) test_accuracy              silokit_hub_initial_test_accuracy_ratio (before round 1)
     validation_accuracy                      silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
                                              silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
@@ -244,6 +245,9 @@ class _HubStateCollector(Collector):
                      tested[-2]["test_accuracy"] if len(tested) > 1 else NAN)
         yield _gauge("silokit_hub_test_loss", "Test cross-entropy after the last completed round.",
                      tested[-1].get("test_loss", NAN) if tested else NAN)
+        yield _gauge("silokit_hub_initial_test_accuracy_ratio", "Test accuracy of the initial model, trained on the "
+                     "hub's labels alone before round 1, where the silos start from (0..1).",
+                     hub.initial.get("test_accuracy", NAN))
         validated = [h for h in history if "validation_accuracy" in h]
         best = BestRound.from_history(validated)
         yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "

@@ -142,10 +142,12 @@ def overview() -> dict:
         [
             Panel("Model quality", "timeseries", 12, 8, [
                 ("silokit_hub_test_accuracy_ratio", "test accuracy"),
+                ("silokit_hub_initial_test_accuracy_ratio", "test accuracy of the initial model"),
                 ("silokit_hub_validation_accuracy_ratio", "validation accuracy"),
                 ("silokit_hub_pseudo_label_ratio", "pseudo-labels above threshold"),
                 ("silokit_hub_pseudo_label_accuracy_ratio", "pseudo-label accuracy (simulation)"),
-            ], "Test accuracy after each round; accuracy on the hub's validation split (data.validation, which picks "
+            ], "Test accuracy after each round, and of the initial model (trained on the hub's labels alone before "
+               "round 1, where the silos start from); accuracy on the hub's validation split (data.validation, which picks "
                "best_model.safetensors); the share of the silos' images whose pseudo-label passed the "
                "threshold, and (simulation only) how many of those were right.", **PERCENT),
             Panel("Silos per round", "timeseries", 12, 8, [

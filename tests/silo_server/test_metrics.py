@@ -117,6 +117,18 @@ def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
 
 
+def test_the_initial_models_test_accuracy_is_exported_beside_the_last_rounds(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    unscored = samples(m)[("silokit_hub_initial_test_accuracy_ratio", ())]
+    assert unscored != unscored  # NaN: no test set, or not scored yet
+    hub.initial = {"test_accuracy": 0.64, "test_loss": 1.07}
+    hub.history.append({"round": 1, "test_accuracy": 0.71})
+    s = samples(m)
+    assert s[("silokit_hub_initial_test_accuracy_ratio", ())] == pytest.approx(0.64)
+    assert s[("silokit_hub_test_accuracy_ratio", ())] == pytest.approx(0.71)
+
+
 def test_validation_rounds_feed_the_best_round_gauges(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)
