@@ -503,8 +503,8 @@ class Hub:
             log.info("no checkpoint in %s: initial hub training", self.state_dir)
             state = self.algorithm.init_state()
             self.history = []
-            # What the hub's labels alone taught the model, the mark every round is measured against; scoring it
-            # now also pays the evaluation's first-call costs before round 1 rather than in it.
+            # What the hub's labels alone taught the model before the silos start from it; scoring it now also
+            # pays the evaluation's first-call costs before round 1 rather than in it.
             self.initial = self._score(state)
             if self.initial:
                 log.info("initial model (the hub's labels alone): %s",

@@ -310,7 +310,7 @@ def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None
                 "bytes up", "bytes down"):
         table.add_column(col, justify="right", no_wrap=True)
     if initial:  # the hub's model before any silo took part
-        table.add_row("0 (hub only)", f"{initial.get('test_accuracy', float('nan')):.4f}",
+        table.add_row("0 (initial)", f"{initial.get('test_accuracy', float('nan')):.4f}",
                       *((f"{initial.get('validation_accuracy', float('nan')):.4f} ",) if best.round else ()),
                       "-", "-", "-", "-", "-", "-", style="dim")
     for h in history:
