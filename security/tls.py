@@ -218,12 +218,18 @@ def secure_channel(
     return grpc.secure_channel(target, channel_credentials(bundle_dir), options=opts)
 
 
+def target_host(target: str) -> str:
+    """The host part of a "host:port" or "[v6]:port" target (the whole target when it has no port)."""
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return host.strip("[]")
+
+
 def split_target(target: str) -> tuple[str, int]:
     """("host", port) of a "host:port" or "[v6]:port" target."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
+    port = target.rpartition(":")[2]
+    if ":" not in target or not port.isdigit():
         raise ValueError(f"hub address {target!r} is not host:port")
-    return host.strip("[]"), int(port)
+    return target_host(target), int(port)
 
 
 def hub_tls_context(bundle_dir: Path) -> ssl.SSLContext:
@@ -275,8 +281,7 @@ def peer_certificate(context: grpc.ServicerContext) -> bytes | None:
 
 def is_loopback_target(target: str) -> bool:
     """True when ``target`` ("host:port") names this machine: localhost, 127.0.0.0/8 or ::1."""
-    host = target.rsplit(":", 1)[0] if ":" in target else target
-    host = host.strip("[]")
+    host = target_host(target)
     if host == "localhost":
         return True
     try:
