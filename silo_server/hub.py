@@ -580,7 +580,10 @@ class Hub:
 
     def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
                         task: ActiveTask | None) -> HubState:
+        scoring_started = time.time()
         entry: dict[str, Any] = {"round": state.round, **metrics, **self._score(state)}
+        if self.validate_model is not None or self.evaluate is not None:
+            entry["evaluation_seconds"] = time.time() - scoring_started
         entry["round_seconds"] = time.time() - started
         entry["hub_peak_rss_bytes"] = self.rss_meter.process_peak()
         if task is not None and task.rss_at_open is not None and task.rss_peak_collecting is not None:
@@ -600,6 +603,10 @@ class Hub:
             })
             if reporters and "train_loss" in task.sums.metrics and task.sums.contributors:
                 entry["silo_train_loss"] = task.sums.metrics["train_loss"] / task.sums.contributors
+            if reporters and "train_seconds" in task.sums.metrics:
+                # Where a round's time goes: the silos' own computation (skipping silos report it too), against
+                # the round's wall time.
+                entry["silo_train_seconds"] = task.sums.metrics["train_seconds"] / reporters
         self.history.append(entry)
         self._checkpoint(state)
         with self.cond:

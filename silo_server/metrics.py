@@ -17,11 +17,13 @@ present, become metrics (absent keys leave the metric at zero, or at the algorit
                                              silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
     silo_train_loss                          silokit_hub_silo_train_loss (mean over reporting silos)
+    silo_train_seconds                       silokit_hub_silo_train_seconds (mean over reporting silos)
     threshold_class_<k>                      silokit_hub_class_threshold{class="<k>"}
     epsilon_spent (or epsilon), epsilon_budget, dp_delta   silokit_hub_dp_epsilon_spent, ..._budget, ..._delta
     secagg_<stage>_seconds                   silokit_hub_secagg_stage_duration_seconds{stage="<stage>"}
     secagg_recoveries                        silokit_hub_secagg_recoveries_total (silos whose masks were recovered)
     round_seconds, aggregation_seconds       silokit_hub_round_duration_seconds, ..._aggregation_duration_seconds
+    evaluation_seconds                       silokit_hub_evaluation_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
 
 Labels stay low-cardinality: `silo` (one per enrolled silo, a few to a few hundred), `phase`, `state`, `reason`,
@@ -90,6 +92,10 @@ class HubMetrics:
             "silokit_hub_aggregation_duration_seconds",
             "Time the hub spent turning a round's sums into the next model (unmask, average, fine-tune, sBN).",
             buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.evaluation_duration = Histogram(
+            "silokit_hub_evaluation_duration_seconds",
+            "Time the hub spent scoring a round's model on its validation split and test set.",
+            buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
         self.secagg_duration = Histogram(
             "silokit_hub_secagg_stage_duration_seconds", "Duration of a secure-aggregation stage in a round.",
             ["stage"], buckets=(0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300), registry=r)
@@ -125,6 +131,8 @@ class HubMetrics:
             self.round_duration.observe(float(entry["round_seconds"]))
         if "aggregation_seconds" in entry:
             self.aggregation_duration.observe(float(entry["aggregation_seconds"]))
+        if "evaluation_seconds" in entry:
+            self.evaluation_duration.observe(float(entry["evaluation_seconds"]))
         self.dropouts.inc(max(0, int(entry.get("silos_dropped", 0))))
         for key, value in entry.items():
             m = _SECAGG_KEY.match(key)
@@ -262,6 +270,9 @@ class _HubStateCollector(Collector):
                      "(known in simulation only).", last.get("pseudo_label_accuracy", NAN))
         yield _gauge("silokit_hub_silo_train_loss", "Mean local training loss of the silos in the last round.",
                      last.get("silo_train_loss", NAN))
+        yield _gauge("silokit_hub_silo_train_seconds", "Mean time a reporting silo spent in local training in the "
+                     "last round (absent from masked rounds: secure aggregation hides the silos' metrics).",
+                     last.get("silo_train_seconds", NAN))
         thresholds = _gauge("silokit_hub_class_threshold", "Confidence a pseudo-label of this class must reach.",
                             labels=["class"])
         for k, v in self._thresholds(last, live[3] if live else []):

@@ -48,19 +48,31 @@ def run_inprocess(
         plan.hyperparameters.update(round_hyperparameters or {})
         sums = RunningSum()
         sampled: list[SiloData] = []
+        silo_seconds = 0.0
         if hub.needs_silos and silo is not None and silos:
             count = max(1, int(silos_per_round * len(silos))) if silos_per_round <= 1 else int(silos_per_round)
             sampled = rng.sample(silos, min(count, len(silos)))
             for data in sampled:
+                silo_started = time.time()
                 result = silo.local_update(plan, data)
+                silo_seconds += time.time() - silo_started
                 sums.add({} if result.skipped else result.tensors, result.metrics)
+        aggregation_started = time.time()
         state, metrics = hub.finish_round(state, sums.result(), sums.metrics)
+        # The same timings the deployment's hub records (aggregation_seconds, evaluation_seconds,
+        # silo_train_seconds: a silo's mean), so that the two can be compared phase by phase.
         entry: dict[str, Any] = {"round": state.round, **metrics, "silos_sampled": len(sampled),
-                                 "silos_contributed": sums.contributors}
+                                 "silos_contributed": sums.contributors,
+                                 "aggregation_seconds": time.time() - aggregation_started}
+        if sampled:
+            entry["silo_train_seconds"] = silo_seconds / len(sampled)
+        scoring_started = time.time()
         if validate is not None:
             entry.update({f"validation_{k}": v for k, v in validate(state).items()})
         if evaluate is not None:
             entry.update({f"test_{k}": v for k, v in evaluate(state).items()})
+        if validate is not None or evaluate is not None:
+            entry["evaluation_seconds"] = time.time() - scoring_started
         entry["round_seconds"] = time.time() - started
         history.append(entry)
         if on_round is not None:

@@ -160,13 +160,18 @@ def overview() -> dict:
             Panel("Loss", "timeseries", 8, 8, [("silokit_hub_test_loss", "test"),
                                                ("silokit_hub_silo_train_loss", "silos (local, mean)")],
                   "Test cross-entropy of the global model and the silos' mean local training loss.", min=0),
-            Panel("Round and aggregation time", "timeseries", 8, 8, [
+            Panel("Where a round's time goes", "timeseries", 8, 8, [
                 ("histogram_quantile(0.5, sum by (le) (rate(silokit_hub_round_duration_seconds_bucket[30m])))",
                  "round p50"),
                 ("histogram_quantile(0.5, sum by (le) (rate(silokit_hub_aggregation_duration_seconds_bucket[30m])))",
                  "aggregation p50"),
-            ], "Median wall time of the rounds completed in the last 30 minutes, and of the hub's aggregation "
-               "(sums to next model, including the hub's fine-tune).", unit="s", min=0),
+                ("histogram_quantile(0.5, sum by (le) (rate(silokit_hub_evaluation_duration_seconds_bucket[30m])))",
+                 "evaluation p50"),
+                ("silokit_hub_silo_train_seconds", "silo training (mean, last round)"),
+            ], "Median wall time of the rounds completed in the last 30 minutes, of the hub's aggregation "
+               "(sums to next model, including the hub's fine-tune) and of its scoring of each round's model; "
+               "and how long a silo trained in the last round. What the round takes beyond these is waiting: "
+               "for the slowest silo, transfers, polls.", unit="s", min=0),
             Panel("Privacy budget", "timeseries", 8, 8, [("silokit_hub_dp_epsilon_spent", "epsilon spent"),
                                                          ("silokit_hub_dp_epsilon_budget", "epsilon budget")],
                   "Epsilon spent by differential privacy against its budget (0 without DP; alert at 80%).", min=0),

@@ -85,6 +85,7 @@ def test_a_round_sums_every_sampled_silo_and_checkpoints(tmp_path):
     assert torch.allclose(state.tensors["model/x"], torch.full((3,), 2.0))
     entry = hub.history[-1]
     assert entry["round"] == 1 and entry["silos_reported"] == 2 and entry["n"] == 2.0
+    assert "evaluation_seconds" not in entry and "silo_train_seconds" not in entry  # no test set, no such metric
     assert entry["bytes_up"] > 0 and entry["bytes_down"] > 0
     # Two 3-number uploads: the collection phase's own memory growth is tiny next to the process's peak.
     assert 0 <= entry["collecting_rss_growth_bytes"] < 50e6 < entry["hub_peak_rss_bytes"]
@@ -153,11 +154,13 @@ def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, out = start_round(hub)
-    upload(hub, "a", wait_task(hub, "a"), {}, skipped=True)
-    upload(hub, "b", wait_task(hub, "b"), result(4.0))
+    upload(hub, "a", wait_task(hub, "a"), {}, skipped=True, metrics={"train_seconds": 1.0})
+    upload(hub, "b", wait_task(hub, "b"), result(4.0), metrics={"train_seconds": 3.0})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 4.0))
     assert hub.history[-1]["silos_skipped"] == 1
+    # A skipping silo trained too (it found nothing to send only afterwards): its time counts in the mean.
+    assert hub.history[-1]["silo_train_seconds"] == pytest.approx(2.0)
 
 
 def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
@@ -192,6 +195,7 @@ def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tm
     saved = json.loads((tmp_path / "history.json").read_text())
     assert saved["initial"] == {"validation_accuracy": 0.0, "test_accuracy": 0.0}
     assert [(h["round"], h["test_accuracy"], h["validation_accuracy"]) for h in saved["rounds"]] == [(1, 0.5, 0.5)]
+    assert 0 <= saved["rounds"][0]["evaluation_seconds"] <= saved["rounds"][0]["round_seconds"]
     again = make_hub(tmp_path, evaluate=score, validate=score)
     again.resume_or_init()
     assert again.initial == saved["initial"]  # not re-scored from the resumed model

@@ -98,7 +98,8 @@ def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     m = HubMetrics(hub)
     for r, acc in ((1, 0.70), (2, 0.62)):
         entry = {"round": r, "test_accuracy": acc, "test_loss": 1.0 - acc, "round_seconds": 3.0 * r,
-                 "aggregation_seconds": 0.2, "silos_sampled": 3, "silos_reported": 2, "silos_dropped": 1,
+                 "aggregation_seconds": 0.2, "evaluation_seconds": 0.4, "silo_train_seconds": 1.5 * r,
+                 "silos_sampled": 3, "silos_reported": 2, "silos_dropped": 1,
                  "threshold_class_0": 0.91, "threshold_class_1": 0.85, "epsilon_spent": 2.5 * r,
                  "epsilon_budget": 8.0, "secagg_share_keys_seconds": 0.3, "secagg_recoveries": 1}
         hub.history.append(entry)
@@ -113,6 +114,8 @@ def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     assert s[("silokit_hub_secagg_recoveries_total", ())] == 2
     assert s[("silokit_hub_silo_dropouts_total", ())] == 2
     assert s[("silokit_hub_round_duration_seconds_sum", ())] == pytest.approx(9.0)
+    assert s[("silokit_hub_evaluation_duration_seconds_sum", ())] == pytest.approx(0.8)
+    assert s[("silokit_hub_silo_train_seconds", ())] == pytest.approx(3.0)  # the last round's mean
     # A round bucket of 5 s holds the 3 s round, not the 6 s one.
     assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
 
