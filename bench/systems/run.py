@@ -102,21 +102,38 @@ def overhead_once(rounds: int, silos: int, unlabeled: int, repeats: int) -> dict
             workdir = staged if i == 0 else Path(keep) / f"run-{i}"
             summary = run_sim(workdir, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
                               "--unlabeled", str(unlabeled))
-            wire_runs.append([r["round_seconds"] for r in summary["rounds"]])
+            wire_runs.append(summary["rounds"])
             wire_acc = summary["rounds"][-1].get("test_accuracy")
             history = inprocess_rounds(staged / "work", rounds)
-            local_runs.append([h["round_seconds"] for h in history])
+            local_runs.append(history)
             local_acc = history[-1].get("test_accuracy")
-    w, lo = median_total(wire_runs), median_total(local_runs)
+    wire, local = [time_split(run) for run in wire_runs], [time_split(run) for run in local_runs]
+    w, lo = median_part(wire, "total"), median_part(local, "total")
     return {"rounds": rounds, "silos": silos, "unlabeled": unlabeled, "repeats": repeats,
-            "wire_round_seconds": wire_runs, "inprocess_round_seconds": local_runs,
+            "wire_round_seconds": [[r["round_seconds"] for r in run] for run in wire_runs],
+            "inprocess_round_seconds": [[r["round_seconds"] for r in run] for run in local_runs],
+            "wire_time_split": wire, "inprocess_time_split": local,
             "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
+            # What the wire adds beyond the computation both ways share, against the in-process run's time:
+            # immune to the machine running the same computation faster or slower from one run to the next.
+            "wire_own_fraction": (median_part(wire, "other") - median_part(local, "other")) / lo,
             "wire_final_accuracy": wire_acc, "inprocess_final_accuracy": local_acc}
 
 
-def median_total(runs: list[list[float]], first_round: int = 1) -> float:
-    """Median over runs of the seconds of rounds `first_round` onwards."""
-    return statistics.median(sum(run[first_round - 1:]) for run in runs)
+def time_split(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a run's round time went: the silos' local training, the hub's aggregation (its fine-tune included)
+    and scoring, and everything else (over the wire: hand-out, transfers, checks, waiting)."""
+    total = sum(r["round_seconds"] for r in rounds)
+    silos = sum(r.get("silo_train_seconds", 0.0) * r.get("silos_reported", r.get("silos_sampled", 0)) for r in rounds)
+    hub = sum(r.get("aggregation_seconds", 0.0) + r.get("evaluation_seconds", 0.0) for r in rounds)
+    after_first = sum(r["round_seconds"] for r in rounds[1:])
+    return {"total": total, "silo_training": silos, "hub_work": hub, "other": total - silos - hub,
+            "after_round_1": after_first}
+
+
+def median_part(runs: list[dict[str, float]], part: str) -> float:
+    """Median over runs of one part of their time split."""
+    return statistics.median(run[part] for run in runs)
 
 
 def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
@@ -169,14 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def steady_overhead(o: dict[str, Any]) -> str:
-    """Overhead of rounds 2 onwards (medians over runs): the wire's first round also pays the fresh worker
-    process's warm-up, which the in-process run paid in its hub's initial training."""
-    wire, local = o.get("wire_round_seconds"), o.get("inprocess_round_seconds")
-    if not wire or not isinstance(wire[0], list) or len(wire[0]) < 2:
-        return "-"
-    w, lo = median_total(wire, first_round=2), median_total(local, first_round=2)
-    return f"{100 * (w - lo) / lo:+.1f}%"
+def overhead_cells(o: dict[str, Any]) -> str:
+    """The report's cells for one overhead comparison (medians over runs)."""
+    wire, local = o["wire_time_split"], o["inprocess_time_split"]
+
+    def both(part: str) -> str:
+        return f"{median_part(local, part):.2f} / {median_part(wire, part):.2f} s"
+
+    after = (median_part(wire, "after_round_1") - median_part(local, "after_round_1")) / median_part(
+        local, "after_round_1")
+    compute = [median_part(runs, "silo_training") + median_part(runs, "hub_work") for runs in (local, wire)]
+    return (f"{o['inprocess_total_s']:.1f} s | {o['wire_total_s']:.1f} s | {100 * o['overhead_fraction']:+.1f}% | "
+            f"{100 * after:+.1f}% | {compute[0]:.2f} / {compute[1]:.2f} s | {both('other')} | "
+            f"**{100 * o['wire_own_fraction']:+.1f}%**")
 
 
 def report(r: dict[str, Any]) -> str:
@@ -199,13 +221,17 @@ def report(r: dict[str, Any]) -> str:
                   "In-process (silo_sim/inprocess.py) against silo-sim over gRPC + mutual TLS with one worker process "
                   "(silos train one after another in both); each way run several times, alternating, medians "
                   "compared. Target: overhead < 5% of round time.", "",
-                  "| silos | unlabeled images | rounds x runs | in-process | over the wire | overhead | overhead after "
-                  "round 1 | final accuracy in-process / wire |", "|---|---|---|---|---|---|---|---|"]
+                  "Computation: the silos' local training plus the hub's aggregation (its fine-tune included) and "
+                  "scoring, timed the same way in both. Other: the rest of the round's time (over the wire: hand-out, "
+                  "transfers, checks, waiting). The wire's own cost: how much longer Other is over the wire, against "
+                  "the in-process run's time; unlike the totals it does not move when the machine runs the same "
+                  "computation faster or slower from one run to the next.", "",
+                  "| silos | unlabeled images | rounds x runs | in-process | over the wire | overhead | overhead "
+                  "after round 1 | computation, in-process / wire | other, in-process / wire | the wire's own cost | "
+                  "final accuracy in-process / wire |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = r["overhead"] if isinstance(r["overhead"], list) else [r["overhead"]]
-        lines += [f"| {o['silos']} | {o.get('unlabeled', 2000)} | {o['rounds']} x {o.get('repeats', 1)} | "
-                  f"{o['inprocess_total_s']:.1f} s | {o['wire_total_s']:.1f} s | {100 * o['overhead_fraction']:+.1f}% | "
-                  f"{steady_overhead(o)} | {o['inprocess_final_accuracy']:.4f} / {o['wire_final_accuracy']:.4f} |"
-                  for o in rows]
+        lines += [f"| {o['silos']} | {o['unlabeled']} | {o['rounds']} x {o['repeats']} | {overhead_cells(o)} | "
+                  f"{o['inprocess_final_accuracy']:.4f} / {o['wire_final_accuracy']:.4f} |" for o in rows]
     if "memory" in r:
         lines += ["", "## Hub peak memory vs reporting silos (one round; target: flat)", "",
                   "Growth while collecting: the hub's peak RSS while silos download and upload, minus its RSS when "

@@ -33,6 +33,9 @@ def test_tiny_profile_writes_results_table_and_curves(tmp_path):
         assert cell["best_round"] == best + 1 and cell["best_validation_accuracy"] == validation[best]
         assert cell["best_round_test_accuracy"] == pytest.approx(cell["history"][best]["test_accuracy"], abs=1e-6)
     assert all(h["silos_contributed"] > 0 for h in cells["semifl"]["history"])
+    for h in cells["semifl"]["history"]:  # timed phase by phase, as the deployment's hub times its rounds
+        parts = h["silo_train_seconds"] * h["silos_sampled"] + h["aggregation_seconds"] + h["evaluation_seconds"]
+        assert 0 < parts <= h["round_seconds"]
     table = (tmp_path / "table.md").read_text()
     assert "| semifl |" in table and "| server-only |" in table
     assert "Options that differ" not in table  # the profile's own cells
