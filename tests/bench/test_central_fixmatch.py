@@ -1,6 +1,5 @@
 """The central FixMatch reference: its loss is FixMatch's, and a few steps run end to end (numbers live in bench/)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,20 +10,15 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from tests.bench import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 SCRIPT = ROOT / "bench" / "quality" / "central_fixmatch.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("central_fixmatch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_loss_trains_the_strong_view_only_on_confident_weak_views():
-    central = load_script()
+    central = load_script("bench/quality/central_fixmatch.py", "central_fixmatch")
     labeled, labels = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0])
     weak = torch.tensor([[9.0, 0.0, 0.0],   # p(0) ~ 0.9998: passes tau 0.95, pseudo-label 0
                          [1.0, 1.0, 0.0]])  # p ~ 0.42: below tau, contributes nothing

@@ -1,22 +1,13 @@
 """The privacy benchmark's secure-aggregation harness runs and its numbers are consistent (the real table is
 produced by `python bench/privacy/run.py secagg`, not by the suite)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("privacy_bench", ROOT / "bench" / "privacy" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench import load_script
 
 
 def test_secagg_bench_tiny_profile():
-    bench = load_bench()
+    bench = load_script("bench/privacy/run.py", "privacy_bench")
     rows = bench.bench_secagg([4], dropout=0.25)
     assert [r["dropped_after_sharing"] for r in rows] == [0, 1]
     for r in rows:
@@ -30,7 +21,7 @@ def test_secagg_bench_tiny_profile():
 
 def test_sample_dp_bench_tiny_run(tmp_path):
     """One round, 2 silos: the harness trains with DP-SGD, reads each silo's ledger and writes its table."""
-    bench = load_bench()
+    bench = load_script("bench/privacy/run.py", "privacy_bench")
     assert bench.main(["sample-dp", "--rounds", "1", "--silos", "2", "--noise-multipliers", "1.0", "--tau", "0.0", "--silo-images", "200",
                        "--threads", "1",
                        "--out", str(tmp_path)]) == 0

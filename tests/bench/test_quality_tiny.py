@@ -1,6 +1,5 @@
 """The suite only checks that the quality benchmark's tiny profile runs end to end; numbers live in bench/."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from silo_core.models import ModelSpec, count_parameters
+from tests.bench import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
@@ -66,16 +66,8 @@ def test_two_runs_sharing_an_output_folder_split_the_cells_between_them(tmp_path
     assert list((tmp_path / "running").iterdir()) == []  # claims are released once a cell is saved
 
 
-def load_quality_module():
-    spec = importlib.util.spec_from_file_location("quality_run", ROOT / "bench" / "quality" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
-    quality = load_quality_module()
+    quality = load_script("bench/quality/run.py", "quality_run")
     assert quality.parse_option_overrides(["semifl.hub_epochs=2", "semifl.lr_schedule=constant",
                                            "fedseal.theta=0.1"]) == {
         "semifl": {"hub_epochs": 2, "lr_schedule": "constant"}, "fedseal": {"theta": 0.1}}
@@ -90,7 +82,7 @@ def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
 
 
 def test_a_saved_cell_survives_an_option_added_later_at_its_default():
-    quality = load_quality_module()
+    quality = load_script("bench/quality/run.py", "quality_run")
     profile = quality.PROFILES["full"]
     current = quality.cell_options("semifl", profile)
     older = {k: v for k, v in current.items() if k != "init_epochs"}  # saved before init_epochs existed
@@ -145,7 +137,7 @@ def test_wire_check_gets_the_same_accuracy_in_process_and_through_silo_sim(tmp_p
     assert check["method"] == "semifl" and check["options"]["tau"] == 0.5  # the tiny profile's options
     # ... all of them, defaults included, on both sides (silo-sim would fill gaps with its demo values, such as a
     # constant learning rate where the table's cells use the cosine schedule)
-    quality = load_quality_module()
+    quality = load_script("bench/quality/run.py", "quality_run")
     assert check["options"] == quality.cell_options("semifl", quality.PROFILES["tiny"])
     assert check["options"]["lr_schedule"] == "cosine"
     assert len(check["wire_accuracy"]) == len(check["inprocess_accuracy"]) == check["rounds"] == 3

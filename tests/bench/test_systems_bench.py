@@ -1,23 +1,13 @@
 """The systems benchmark's overhead comparison runs end to end on a tiny federation and splits each round's time
 consistently (the real numbers come from `python bench/systems/run.py`, not from the suite)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("systems_bench", ROOT / "bench" / "systems" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench import load_script
 
 
 def test_overhead_splits_each_round_into_computation_and_the_rest_both_ways():
-    bench = load_bench()
+    bench = load_script("bench/systems/run.py", "systems_bench")
     o = bench.overhead_once(rounds=2, silos=2, unlabeled=200, repeats=1)
     # The wire changes nothing in the numbers.
     assert o["wire_final_accuracy"] == o["inprocess_final_accuracy"] > 0.1
@@ -35,7 +25,7 @@ def test_overhead_splits_each_round_into_computation_and_the_rest_both_ways():
 
 
 def test_time_split_counts_every_reporting_silo_and_the_hubs_two_phases():
-    bench = load_bench()
+    bench = load_script("bench/systems/run.py", "systems_bench")
     rounds = [{"round_seconds": 4.0, "silo_train_seconds": 0.5, "silos_reported": 4, "aggregation_seconds": 1.0,
                "evaluation_seconds": 0.5},
               {"round_seconds": 5.0, "silo_train_seconds": 1.0, "silos_sampled": 3, "aggregation_seconds": 1.5}]
