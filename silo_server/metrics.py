@@ -271,7 +271,7 @@ class _HubStateCollector(Collector):
         yield _gauge("silokit_hub_silo_train_loss", "Mean local training loss of the silos in the last round.",
                      last.get("silo_train_loss", NAN))
         yield _gauge("silokit_hub_silo_train_seconds", "Mean time a reporting silo spent in local training in the "
-                     "last round (absent from masked rounds: secure aggregation hides the silos' metrics).",
+                     "last round (NaN under differential privacy or secure aggregation, where silos send no metrics).",
                      last.get("silo_train_seconds", NAN))
         thresholds = _gauge("silokit_hub_class_threshold", "Confidence a pseudo-label of this class must reach.",
                             labels=["class"])
