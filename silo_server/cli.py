@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model selection: {len(app.validation)} validation images score every round; the best round is "
                   f"kept as {BEST_MODEL}" if app.validation is not None else
                   "model selection: none (no data.validation); the final round's model is exported")
+            resumed = app.hub.load_state()  # verified as a real start would, without training anything
+            print(f"checkpoint: resumes after round {resumed.round}" if resumed is not None else
+                  f"checkpoint: none in {config.run.state_dir}; the run starts with the hub's initial training")
             return 0
         state = app.run()
         if state.round < config.rounds.total:
