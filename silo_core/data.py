@@ -2,8 +2,10 @@
 
 Everything becomes an ``ImageSet``: a uint8 N x C x H x W tensor at the model's size and channel count, plus
 labels and class names. Files that cannot be decoded are skipped and listed, because one bad file in a silo's
-folder of thousands must not stop a federation. Nothing here downloads, unpickles or trusts file contents
-beyond decoding pixels (torchvision's CIFAR10/SVHN readers are used only after their md5 checks pass).
+folder of thousands must not stop a federation; so are files that are not regular files (a FIFO or device named
+like an image) and images over ``MAX_IMAGE_PIXELS`` that cannot be read at reduced scale. Nothing here downloads,
+unpickles or trusts file contents beyond decoding pixels (torchvision's CIFAR10/SVHN readers are used only after
+their md5 checks pass).
 """
 
 from __future__ import annotations
@@ -12,16 +14,27 @@ import gzip
 import importlib.resources
 import os
 import re
+import stat
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+
+# The most pixels one image may be decoded at. 64 megapixels (8000 x 8000) is above what scanners and radiology
+# devices write (a mammogram is about 20), while the models train at a few hundred pixels a side at most, so a
+# bigger image only costs memory: 192 MB as RGB, and 16-bit images pass through a 512 MB float64 copy in
+# _to_8bit. It is also below Pillow's own decompression-bomb threshold (about 89 MP), which this loader replaces
+# (see _identify). JPEGs over it (big camera photos) are still read, decoded at 1/2 to 1/8 scale (Image.draft);
+# other formats over it, and JPEGs still over it at 1/8 scale, are skipped with the reason.
+MAX_IMAGE_PIXELS = 64_000_000
 DEMO_FILE = "fashion_mnist_demo.npz"
 
 FASHION_MNIST_CLASSES = [
@@ -74,6 +87,69 @@ def _check_format(image_size: int, channels: int) -> None:
 # --- single files --------------------------------------------------------------------------------------------
 
 
+class _Refused(Exception):
+    """A file the loader will not read; the message is the whole reason shown in the skipped list."""
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, _Refused) else f"{type(exc).__name__}: {exc}"
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
+
+
+def _require_regular(st_mode: int) -> None:
+    if not stat.S_ISREG(st_mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(st_mode), "a special file")
+        raise _Refused(f"{kind}, not a regular file; only regular files are read")
+
+
+def _open_regular_file(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file; anything else is refused before a byte is read.
+
+    A FIFO named like an image would block the loader forever, a device can stream without end, and a socket or
+    folder holds no image. A symlink is followed only when it points to a regular file (os.stat follows links), so
+    a silo may link images in from elsewhere on its disk. The check before opening keeps special files from ever
+    being opened (opening some devices has side effects); the check on the open descriptor catches a file swapped
+    in between, and O_NONBLOCK keeps that open from waiting for a swapped-in FIFO's writer.
+    """
+    _require_regular(os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        _require_regular(os.fstat(fd).st_mode)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _identify(fh: BinaryIO, path: Path) -> ImageFile.ImageFile:
+    """The image in ``fh``, identified from its header: the size is known, no pixel is decoded yet.
+
+    This is Image.open's search over the registered formats without its decompression-bomb check, which runs on
+    the same header before our code sees the size: above Image.MAX_IMAGE_PIXELS it prints a raw warning to stderr,
+    above twice that it refuses the file, a huge JPEG that draft() would read at 1/8 scale included. _decode
+    enforces MAX_IMAGE_PIXELS instead. Pillow's check cannot be switched off for one call: Image.MAX_IMAGE_PIXELS
+    and warnings.catch_warnings are both process-wide, so changing either would change it for other threads too.
+    """
+    Image.init()  # registers every format plugin, as Image.open does when the extension's plugin does not match
+    prefix = fh.read(16)
+    # Our formats first, as Image.open tries the extension's and the common plugins first: some plugins accept
+    # any header and only fail later, so they must not get a PNG before the PNG plugin does.
+    for fmt in dict.fromkeys(("PNG", "JPEG", "BMP", "TIFF", *Image.ID)):
+        factory, accept = Image.OPEN[fmt]
+        result = not accept or accept(prefix)
+        if not result or isinstance(result, str):  # a string explains why the format does not apply
+            continue
+        fh.seek(0)
+        try:
+            return factory(fh, str(path))
+        except (SyntaxError, IndexError, TypeError, struct.error):
+            continue  # not this format after all: Image.open's rule too
+    raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}")
+
+
 def _to_8bit(img: Image.Image) -> Image.Image:
     """16-bit and float images (common in medical data) scaled to 8 bits; plain convert("L") would clip them."""
     arr = np.asarray(img, dtype=np.float64)
@@ -86,8 +162,12 @@ def _to_8bit(img: Image.Image) -> Image.Image:
 
 def _decode(path: Path, image_size: int, channels: int) -> np.ndarray:
     mode = "L" if channels == 1 else "RGB"
-    with Image.open(path) as img:
+    with _open_regular_file(path) as fh, _identify(fh, path) as img:
+        width, height = img.size
         img.draft(mode, (image_size, image_size))  # JPEG only: decode big photos at reduced scale, much faster
+        if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:  # checked on the header, before any pixel is decoded
+            reduced = f" even when decoded at {img.size[0]}x{img.size[1]}" if img.size != (width, height) else ""
+            raise _Refused(f"{width}x{height} pixels exceeds the {MAX_IMAGE_PIXELS / 1e6:g}-megapixel limit{reduced}")
         img.load()
         img = ImageOps.exif_transpose(img)  # camera photos store their orientation in EXIF
         if img.mode in ("I", "F") or img.mode.startswith("I;16"):
@@ -108,7 +188,7 @@ def load_image_file(path: str | os.PathLike[str], image_size: int, channels: int
     try:
         arr = _decode(Path(path), image_size, channels)
     except Exception as exc:  # Pillow raises many types on bad files (OSError, ValueError, SyntaxError, ...)
-        raise DataError(f"cannot read image {path}: {type(exc).__name__}: {exc}; replace or delete the file") from exc
+        raise DataError(f"cannot read image {path}: {_reason(exc)}; replace or delete the file") from exc
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -148,7 +228,7 @@ def _load_files(paths: list[Path], image_size: int, channels: int) -> tuple[list
             arrays.append(_decode(path, image_size, channels))
             ok.append(i)
         except Exception as exc:  # a bad file is skipped and reported, never fatal on its own
-            skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
+            skipped.append((str(path), _reason(exc)))
     return arrays, ok, skipped
 
 

@@ -1,5 +1,8 @@
 import gzip
 import io
+import os
+import socket
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+import silo_core.data
 from silo_core.data import (
     DataError,
     ImageSet,
@@ -60,6 +64,72 @@ def test_unlabeled_folder_shapes_order_and_skips(mixed_folder: Path):
     assert [abs(c - v) <= 2 for c, v in zip(centres, [10, 50, 90, 130, 170], strict=True)] == [True] * 5
     assert sorted(Path(p).name for p, _ in data.skipped) == ["corrupt.png", "truncated.jpg"]
     assert all(reason for _, reason in data.skipped)
+
+
+@pytest.mark.timeout(30)  # before the fix the FIFO blocked the loader forever
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_only_regular_files_are_read(tmp_path: Path):
+    root = tmp_path / "silo"
+    write_image(root / "a.png", 10, (20, 20))
+    write_image(root / "b.png", 50, (20, 20))
+    os.mkfifo(root / "zz.png")  # nobody ever writes to it
+    (root / "link.png").symlink_to(root / "a.png")  # a link to a regular file is followed
+    (root / "fifo_link.png").symlink_to(root / "zz.png")  # a link to anything else is not
+    (root / "zero.png").symlink_to("/dev/zero")  # a device that never ends
+    (root / "dangling.png").symlink_to(root / "gone.png")
+    write_image(root / "scans.png" / "c.png", 90, (20, 20))  # a folder named like an image is only a folder
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "s.png"))
+    try:
+        data = load_unlabeled_folder(root, 16, 1)
+    finally:
+        sock.close()
+    assert data.images[:, 0, 8, 8].tolist() == [10, 50, 10, 90]  # a, b, link, scans.png/c
+    reasons = {Path(p).name: r for p, r in data.skipped}
+    assert set(reasons) == {"zz.png", "fifo_link.png", "zero.png", "dangling.png", "s.png"}
+    assert reasons["zz.png"] == reasons["fifo_link.png"] == "a FIFO, not a regular file; only regular files are read"
+    assert reasons["zero.png"].startswith("a character device, not a regular file")
+    assert reasons["s.png"].startswith("a socket, not a regular file")
+    assert reasons["dangling.png"].startswith("FileNotFoundError")
+    with pytest.raises(DataError, match=r"zz.png: a FIFO, not a regular file"):
+        load_image_file(root / "zz.png", 16, 1)
+
+
+@pytest.fixture
+def pixel_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Low limits so that small, fast images stand in for the 12,000-pixel-wide ones of the bug report: ours at
+    1 MP, Pillow's bomb threshold at 5 MP (warning above it, error above 10 MP), as it is at 89 and 179 MP."""
+    monkeypatch.setattr(silo_core.data, "MAX_IMAGE_PIXELS", 1_000_000)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000_000)
+
+
+@pytest.mark.usefixtures("pixel_limits")
+def test_big_jpegs_are_decoded_at_reduced_scale_and_other_big_images_skipped(tmp_path: Path, capfd):
+    root = tmp_path / "silo"
+    write_image(root / "small.png", 30, (64, 64))
+    write_image(root / "warned.jpg", 120, (2400, 2400), "L", "JPEG")  # 5.8 MP: Pillow would warn
+    write_image(root / "refused.jpg", 160, (3300, 3300), "RGB", "JPEG")  # 10.9 MP: Pillow would refuse
+    write_image(root / "wide.png", 200, (2400, 2400))  # a PNG cannot be decoded at reduced scale
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = load_unlabeled_folder(root, 32, 1)
+    # 2400/8 = 300 and 3300/8 = 413 pixels a side: only because draft() decoded them small are they under 1 MP
+    assert [abs(v - want) <= 2 for v, want in zip(data.images[:, 0, 16, 16].tolist(), [160, 30, 120],
+                                                  strict=True)] == [True] * 3  # refused.jpg, small.png, warned.jpg
+    assert data.skipped == [(str(root / "wide.png"), "2400x2400 pixels exceeds the 1-megapixel limit")]
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert capfd.readouterr().err == ""
+    with pytest.raises(DataError, match=r"wide.png: 2400x2400 pixels exceeds the 1-megapixel limit; replace"):
+        load_image_file(root / "wide.png", 32, 1)
+
+
+@pytest.mark.usefixtures("pixel_limits")
+def test_a_jpeg_too_big_even_at_an_eighth_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(silo_core.data, "MAX_IMAGE_PIXELS", 50_000)
+    write_image(tmp_path / "huge.jpg", 120, (2400, 2400), "L", "JPEG")
+    with pytest.raises(DataError, match=r"2400x2400 pixels exceeds the 0.05-megapixel limit even when decoded "
+                                        r"at 300x300"):
+        load_image_file(tmp_path / "huge.jpg", 32, 1)
 
 
 def test_grayscale_output_and_rgb_to_luma(tmp_path: Path):
