@@ -3,13 +3,15 @@
     silo-certs init --dir pki/ca                               # once, on an offline/admin machine
     silo-certs issue-hub --ca pki/ca --out pki/hub --dns hub.example.org --ip 10.0.0.5
     silo-certs issue-silo branch-01 --ca pki/ca                # -> pki/silos/branch-01 (next to the CA dir)
+    silo-certs issue-silo branch-01 --ca pki/ca --replace --out DIR   # a live name: revoke its certificate too
     silo-certs list --ca pki/ca                                # status and expiry of everything issued
     silo-certs revoke branch-01 --ca pki/ca                    # or a serial; re-signs crl.pem
     silo-certs renew branch-01 --ca pki/ca                     # fresh key and certificate, same identity
     silo-certs crl --ca pki/ca                                 # re-sign crl.pem before it goes stale
 
 Each subcommand is a pair (``_add_<name>`` to declare its arguments, ``_cmd_<name>`` to run it) registered in
-``_COMMANDS``. Every command prints what it wrote and where to copy it; none overwrites a key.
+``_COMMANDS``. Every command prints what it wrote and where to copy it; none overwrites a key. Commands that
+change the CA directory hold its lock (:func:`security.pki.ca_lock`), so concurrent runs are safe.
 Errors print one line ``error: ...`` on stderr and exit with status 2; ``--verbose`` adds the traceback.
 """
 
@@ -116,24 +118,25 @@ def _add_issue_hub(sub: argparse._SubParsersAction) -> None:
         "--ip", action="append", default=[], metavar="ADDR", help="IP address of the hub (repeatable)"
     )
     p.add_argument("--days", type=int, default=90, help="validity in days (default: %(default)s)")
+    _add_replace(p, "the hub")
     _add_passphrase(p, "unlocks")
 
 
 def _cmd_issue_hub(args: argparse.Namespace) -> None:
-    out = pki.issue_hub(
-        args.ca,
-        args.out,
-        dns=args.dns,
-        ips=args.ip,
-        days=args.days,
-        passphrase=_read_passphrase(args.passphrase_file),
-    )
+    passphrase = _read_passphrase(args.passphrase_file)
+    with pki.ca_lock(args.ca):  # the certificates listed as replaced are exactly those this run revokes
+        replaced = pki.live_certificates(args.ca, pki.HUB_CN) if args.replace else []
+        out = pki.issue_hub(
+            args.ca, args.out, dns=args.dns, ips=args.ip, days=args.days, passphrase=passphrase,
+            replace=args.replace,
+        )
     cert = (out / pki.BUNDLE_CERT).read_bytes()
     sans = ", ".join(args.dns + args.ip) or ", ".join(pki.DEFAULT_HUB_DNS + pki.DEFAULT_HUB_IPS)
     print(f"issued hub certificate for {sans} (expires in {pki.cert_days_left(cert):.0f} days)")
     _print_bundle(out)
     print(f"  {out / pki.BUNDLE_CRL}    revocation list (replace it after each `silo-certs revoke`)")
     print("next: " + _HUB_NEXT.format(out=out))
+    _print_replaced(args.ca, replaced, args.replace)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,19 +162,42 @@ def _add_issue_silo(sub: argparse._SubParsersAction) -> None:
         help="bundle directory to write (default: CA_DIR/../silos/NAME, next to the CA dir)",
     )
     p.add_argument("--days", type=int, default=90, help="validity in days (default: %(default)s)")
+    _add_replace(p, "NAME")
     _add_passphrase(p, "unlocks")
 
 
 def _cmd_issue_silo(args: argparse.Namespace) -> None:
     pki.validate_silo_name(args.name)  # before building a default path out of it
     out = args.out if args.out is not None else _default_silo_out(args.ca, args.name)
-    out = pki.issue_silo(
-        args.ca, args.name, out, days=args.days, passphrase=_read_passphrase(args.passphrase_file)
-    )
+    passphrase = _read_passphrase(args.passphrase_file)
+    with pki.ca_lock(args.ca):  # the certificates listed as replaced are exactly those this run revokes
+        replaced = pki.live_certificates(args.ca, args.name) if args.replace else []
+        out = pki.issue_silo(args.ca, args.name, out, days=args.days, passphrase=passphrase, replace=args.replace)
     cert = (out / pki.BUNDLE_CERT).read_bytes()
     print(f"issued silo certificate '{args.name}' (expires in {pki.cert_days_left(cert):.0f} days)")
     _print_bundle(out)
     print("next: " + _SILO_NEXT.format(out=out, name=args.name))
+    _print_replaced(args.ca, replaced, args.replace)
+
+
+def _add_replace(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help=f"if {who} still holds a live certificate, revoke it (re-signing crl.pem) and issue anew; without "
+        "it, issuing for a live name is refused (`silo-certs renew` keeps the identity instead)",
+    )
+
+
+def _print_replaced(ca: Path, replaced: list[pki.IssuedCert], asked: bool) -> None:
+    if not asked:
+        return
+    if not replaced:
+        print("--replace: there was no live certificate to revoke")
+        return
+    for e in replaced:
+        print(f"revoked the replaced {e.kind} certificate '{e.name}' (serial {e.serial}, bundle {e.path})")
+    _print_crl(ca)
 
 
 def _print_bundle(out: Path) -> None:

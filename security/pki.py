@@ -6,6 +6,7 @@ Layout of a CA directory (made by :func:`init_ca`)::
     ca.key        CA private key (0600; optionally passphrase-encrypted; keep it off the hub if you can)
     crl.pem       certificate revocation list signed by the CA (empty until something is revoked)
     issued.json   inventory of every certificate issued: kind, name, serial, not_after, path, status
+    issued.lock   empty; every command that changes issued.json or crl.pem holds an exclusive flock on it
 
 Layout of a bundle directory (made by :func:`issue_hub` / :func:`issue_silo`), the unit that is copied to a
 machine::
@@ -20,21 +21,26 @@ machine::
 All keys are ECDSA P-256 and all signatures SHA-256: small, fast, and supported by every TLS stack gRPC uses.
 The inventory keeps a ``status`` per certificate and the CRL is rebuilt from it (:func:`write_crl`), so revoking
 is "mark the entry revoked, rewrite the CRL" (:func:`revoke`) and renewing is "issue again under a new serial"
-(:func:`renew`).
+(:func:`renew`). A name holds at most one live certificate unless renewed on purpose: issuing again for a live
+name is refused unless ``replace=True`` revokes the old one in the same step (:func:`issue_silo`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import ipaddress
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -46,6 +52,7 @@ CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 CRL = "crl.pem"
 INVENTORY = "issued.json"
+LOCK = "issued.lock"
 BUNDLE_CA = "ca.pem"
 BUNDLE_CERT = "cert.pem"
 BUNDLE_KEY = "key.pem"
@@ -143,6 +150,49 @@ def _key_pem(key: ec.EllipticCurvePrivateKey, passphrase: bytes | None = None) -
         serialization.BestAvailableEncryption(passphrase) if passphrase else serialization.NoEncryption()
     )
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the CA directory's lock
+
+# Lock depth per CA directory, per thread: a locked operation may call another (renew -> issue and revoke, the CLI
+# around issue), and flock would deadlock on a second open of the same file by the same holder.
+_held = threading.local()
+
+
+@contextmanager
+def ca_lock(ca_dir: Path) -> Iterator[None]:
+    """Hold the CA directory's exclusive lock for the block (re-entrant within a thread).
+
+    Every read-modify-write of issued.json and crl.pem runs under it, from the first read to the last write, so
+    two `silo-certs` runs at once never lose an inventory entry (a revocation target) or a revocation. An OS
+    lock (flock on ``issued.lock``) rather than a lock file that is created and deleted: the kernel releases it
+    when the process dies, so a crash never leaves the CA locked.
+    """
+    ca_dir = Path(ca_dir)
+    if not (ca_dir / CA_CERT).is_file():  # never drop a lock file into a directory that is not a CA
+        raise PkiError(
+            f"{ca_dir / CA_CERT} not found; is {ca_dir} a CA directory? (create one with `silo-certs init --dir DIR`)"
+        )
+    key = str(ca_dir.resolve())
+    depth: dict[str, int] = _held.__dict__.setdefault("depth", {})
+    if depth.get(key):
+        depth[key] += 1
+        try:
+            yield
+        finally:
+            depth[key] -= 1
+        return
+    fd = os.open(ca_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits for any other holder; released by close (or the process's death)
+        depth[key] = 1
+        try:
+            yield
+        finally:
+            depth[key] = 0
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -248,6 +298,7 @@ def issue_hub(
     passphrase: bytes | None = None,
     *,
     not_before: dt.datetime | None = None,
+    replace: bool = False,
 ) -> Path:
     """Issue the hub's server certificate into the bundle ``out_dir`` and return ``out_dir``.
 
@@ -255,7 +306,17 @@ def issue_hub(
     the hub against these SANs, so list every name or address the silos dial.
     ``passphrase`` unlocks the CA key. The bundle also gets a copy of the CA's current crl.pem.
     ``not_before`` (default: now) starts the validity elsewhere, e.g. in the past to test expiry handling.
+    While the hub holds a live certificate this is refused, as for a silo (see :func:`issue_silo`):
+    :func:`renew` keeps the identity, ``replace=True`` revokes the old one first.
     """
+    mode: _OnLive = "revoke" if replace else "refuse"
+    return _issue_bundle(
+        ca_dir, out_dir, "hub", HUB_CN, _hub_sans(dns, ips), ExtendedKeyUsageOID.SERVER_AUTH, days, passphrase,
+        not_before, mode,
+    )
+
+
+def _hub_sans(dns: list[str] | None, ips: list[str] | None) -> list[x509.GeneralName]:
     dns = list(dns or [])
     ips = list(ips or [])
     if not dns and not ips:
@@ -270,9 +331,7 @@ def issue_hub(
             sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
         except ValueError as e:
             raise PkiError(f"invalid IP address {ip!r} for the hub certificate") from e
-    return _issue_bundle(
-        ca_dir, out_dir, "hub", HUB_CN, sans, ExtendedKeyUsageOID.SERVER_AUTH, days, passphrase, not_before
-    )
+    return sans
 
 
 def issue_silo(
@@ -283,15 +342,21 @@ def issue_silo(
     passphrase: bytes | None = None,
     *,
     not_before: dt.datetime | None = None,
+    replace: bool = False,
 ) -> Path:
     """Issue the client certificate of silo ``name`` (its identity: CN = name) into the bundle ``out_dir``.
 
     ``passphrase`` unlocks the CA key; ``not_before`` as for :func:`issue_hub`.
+    A name that holds a live certificate (neither revoked nor expired) is refused with a PkiError that names
+    both ways out, and nothing is written: a silent second certificate would leave the old one valid, and the
+    operator believing it replaced. :func:`renew` gives the identity a fresh certificate on purpose;
+    ``replace=True`` revokes every live certificate of the name, re-signs crl.pem and issues, in one step.
     """
     validate_silo_name(name)
-    sans: list[x509.GeneralName] = [x509.DNSName(name)]
+    mode: _OnLive = "revoke" if replace else "refuse"
     return _issue_bundle(
-        ca_dir, out_dir, "silo", name, sans, ExtendedKeyUsageOID.CLIENT_AUTH, days, passphrase, not_before
+        ca_dir, out_dir, "silo", name, [x509.DNSName(name)], ExtendedKeyUsageOID.CLIENT_AUTH, days, passphrase,
+        not_before, mode,
     )
 
 
@@ -305,6 +370,11 @@ def validate_silo_name(name: str) -> None:
         raise PkiError(f"invalid silo name {name!r}: it is reserved for the hub's own certificate; pick another")
 
 
+# What issuing does when the name already holds a live certificate: refuse (issue-hub, issue-silo), revoke it
+# in the same step (--replace) or keep it valid beside the new one (renew: the rollover overlap).
+_OnLive = Literal["refuse", "revoke", "keep"]
+
+
 def _issue_bundle(
     ca_dir: Path,
     out_dir: Path,
@@ -314,25 +384,68 @@ def _issue_bundle(
     eku: x509.ObjectIdentifier,
     days: int,
     passphrase: bytes | None,
-    not_before: dt.datetime | None = None,
+    not_before: dt.datetime | None,
+    on_live: _OnLive,
 ) -> Path:
     ca_dir, out_dir = Path(ca_dir), Path(out_dir)
     _check_days(days)
-    files = (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA, BUNDLE_CRL)
-    # Check the destination before unlocking the CA, so a typo costs nothing.
-    _refuse_existing(out_dir / f for f in files)
-    ca_cert, ca_key = load_ca(ca_dir, passphrase)
+    with ca_lock(ca_dir):  # from reading the inventory to writing it: no concurrent issue can be lost
+        now = _now()
+        # Backdated a little by default (clock skew); an explicit not_before is taken as is and counts the days.
+        valid_from = now - _CLOCK_SKEW if not_before is None else not_before
+        not_after = (now if not_before is None else not_before) + dt.timedelta(days=days)
 
-    now = _now()
-    # Backdated a little by default (clock skew); an explicit not_before is taken as is and counts the days.
-    valid_from = now - _CLOCK_SKEW if not_before is None else not_before
-    not_after = (now if not_before is None else not_before) + dt.timedelta(days=days)
-    if not_after > ca_cert.not_valid_after_utc:
-        # A leaf that outlives its CA would fail verification on the day the CA expires anyway; say so now.
-        raise PkiError(
-            f"the certificate would outlive the CA (CA expires {ca_cert.not_valid_after_utc:%Y-%m-%d}); "
-            "use fewer --days or a new CA"
+        entries = load_inventory(ca_dir)
+        live = _live(entries, cn, now)
+        # A certificate born expired (not_before far in the past, to test expiry handling) adds no second live
+        # identity, so only a live new one is refused.
+        if live and on_live == "refuse" and not_after > now:
+            raise PkiError(_live_conflict(ca_dir, out_dir, kind, cn, live))
+        # Check the destination before unlocking the CA, so a typo costs nothing.
+        _refuse_existing(out_dir / f for f in (BUNDLE_KEY, BUNDLE_CERT, BUNDLE_CA, BUNDLE_CRL))
+        ca_cert, ca_key = load_ca(ca_dir, passphrase)
+        if not_after > ca_cert.not_valid_after_utc:
+            # A leaf that outlives its CA would fail verification on the day the CA expires anyway; say so now.
+            raise PkiError(
+                f"the certificate would outlive the CA (CA expires {ca_cert.not_valid_after_utc:%Y-%m-%d}); "
+                "use fewer --days or a new CA"
+            )
+        key, cert = _sign_leaf(ca_cert, ca_key, cn, sans, eku, valid_from, not_after)
+
+        out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _write_new(out_dir / BUNDLE_KEY, _key_pem(key), mode=0o600)
+        _write_new(out_dir / BUNDLE_CERT, cert.public_bytes(serialization.Encoding.PEM))
+        shutil.copyfile(ca_dir / CA_CERT, out_dir / BUNDLE_CA)
+        if live and on_live == "revoke":
+            # After the bundle (the step most likely to fail) and before the copy below, so the new bundle already
+            # carries the list that refuses the certificates it replaces.
+            _revoke_entries(ca_dir, ca_cert, ca_key, entries, {e.serial for e in live})
+        # The hub checks every caller against this copy, a silo the hub; `silo-certs revoke` says when to replace it.
+        shutil.copyfile(ca_dir / CRL, out_dir / BUNDLE_CRL)
+
+        entries.append(
+            IssuedCert(
+                kind=kind,
+                name=cn,
+                serial=format(cert.serial_number, "x"),
+                not_after=cert.not_valid_after_utc.isoformat(),
+                path=str(out_dir.resolve()),
+            )
         )
+        _save_inventory(ca_dir, entries)
+        return out_dir
+
+
+def _sign_leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    cn: str,
+    sans: list[x509.GeneralName],
+    eku: x509.ObjectIdentifier,
+    valid_from: dt.datetime,
+    not_after: dt.datetime,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new key and its leaf certificate signed by the CA."""
     key = _new_key()
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (
@@ -364,26 +477,36 @@ def _issue_bundle(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return key, cert
 
-    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_new(out_dir / BUNDLE_KEY, _key_pem(key), mode=0o600)
-    _write_new(out_dir / BUNDLE_CERT, cert.public_bytes(serialization.Encoding.PEM))
-    shutil.copyfile(ca_dir / CA_CERT, out_dir / BUNDLE_CA)
-    # The hub checks every caller against this copy, a silo the hub; `silo-certs revoke` says when to replace it.
-    shutil.copyfile(ca_dir / CRL, out_dir / BUNDLE_CRL)
 
-    entries = load_inventory(ca_dir)
-    entries.append(
-        IssuedCert(
-            kind=kind,
-            name=cn,
-            serial=format(cert.serial_number, "x"),
-            not_after=cert.not_valid_after_utc.isoformat(),
-            path=str(out_dir.resolve()),
-        )
+def _live(entries: list[IssuedCert], name: str, now: dt.datetime) -> list[IssuedCert]:
+    """The certificates of ``name`` that a peer would still accept: not revoked and not expired."""
+    return [
+        e for e in entries
+        if e.name == name and e.status != "revoked" and dt.datetime.fromisoformat(e.not_after) > now
+    ]
+
+
+def live_certificates(ca_dir: Path, name: str) -> list[IssuedCert]:
+    """Inventory entries of ``name`` that are neither revoked nor expired (what ``replace=True`` revokes)."""
+    return _live(load_inventory(ca_dir), name, _now())
+
+
+def _live_conflict(ca_dir: Path, out_dir: Path, kind: str, cn: str, live: list[IssuedCert]) -> str:
+    serials = ", ".join(e.serial for e in live)
+    expires = max(dt.datetime.fromisoformat(e.not_after) for e in live)
+    who = "the hub" if kind == "hub" else f"silo {cn!r}"
+    again = (
+        f"silo-certs issue-hub --ca {ca_dir} --out {out_dir} --replace"
+        if kind == "hub"
+        else f"silo-certs issue-silo {cn} --ca {ca_dir} --replace"
     )
-    _save_inventory(ca_dir, entries)
-    return out_dir
+    return (
+        f"{who} already holds a live certificate (serial {serials}, valid until {expires:%Y-%m-%d}); "
+        f"to keep the identity with a new certificate run `silo-certs renew {cn} --ca {ca_dir}`, "
+        f"or to revoke the old one and issue anew run `{again}`"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -415,8 +538,9 @@ def write_crl(ca_dir: Path, passphrase: bytes | None = None) -> Path:
     Also the way to refresh the CRL before its nextUpdate passes (`silo-certs crl`).
     """
     ca_dir = Path(ca_dir)
-    ca_cert, ca_key = load_ca(ca_dir, passphrase)
-    return _write_crl_file(ca_dir, ca_cert, ca_key, _revoked_of(load_inventory(ca_dir)))
+    with ca_lock(ca_dir):  # a concurrent revoke must not be undone by re-signing an older inventory
+        ca_cert, ca_key = load_ca(ca_dir, passphrase)
+        return _write_crl_file(ca_dir, ca_cert, ca_key, _revoked_of(load_inventory(ca_dir)))
 
 
 def _revoked_of(entries: list[IssuedCert]) -> list[tuple[int, dt.datetime]]:
@@ -469,24 +593,38 @@ def revoke(ca_dir: Path, target: str, passphrase: bytes | None = None) -> list[I
     revoked yet (a stolen key makes all of them suspect). Raises PkiError when there is nothing left to revoke.
     """
     ca_dir = Path(ca_dir)
-    matches = find_certificates(ca_dir, target)
-    fresh = [e for e in matches if e.status != "revoked"]
-    if not fresh:
-        serials = ", ".join(e.serial for e in matches)
-        raise PkiError(f"{target!r} is already revoked (serial {serials}); nothing to do")
-    # Unlock the CA before changing anything, so a wrong passphrase leaves the inventory as it was.
-    ca_cert, ca_key = load_ca(ca_dir, passphrase)
-    entries = load_inventory(ca_dir)
+    with ca_lock(ca_dir):
+        matches = find_certificates(ca_dir, target)
+        fresh = [e for e in matches if e.status != "revoked"]
+        if not fresh:
+            serials = ", ".join(e.serial for e in matches)
+            raise PkiError(f"{target!r} is already revoked (serial {serials}); nothing to do")
+        # Unlock the CA before changing anything, so a wrong passphrase leaves the inventory as it was.
+        ca_cert, ca_key = load_ca(ca_dir, passphrase)
+        entries = load_inventory(ca_dir)
+        chosen = {e.serial for e in fresh}
+        _revoke_entries(ca_dir, ca_cert, ca_key, entries, chosen)
+        _save_inventory(ca_dir, entries)
+        return [e for e in entries if e.serial in chosen]
+
+
+def _revoke_entries(
+    ca_dir: Path,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    entries: list[IssuedCert],
+    serials: set[str],
+) -> None:
+    """Mark ``serials`` revoked in ``entries`` and re-sign crl.pem; the caller saves the inventory next.
+
+    The CRL first: it is what the hub enforces. Should saving the inventory fail afterwards, revoking again finds
+    the entry still valid and simply re-signs the same list.
+    """
     when = _now().isoformat()
-    chosen = {e.serial for e in fresh}
     for e in entries:
-        if e.serial in chosen:
+        if e.serial in serials:
             e.status, e.revoked_at = "revoked", when
-    # The CRL first: it is what the hub enforces. Should saving the inventory fail afterwards, `revoke` again
-    # finds the entry still valid and simply re-signs the same list.
     _write_crl_file(ca_dir, ca_cert, ca_key, _revoked_of(entries))
-    _save_inventory(ca_dir, entries)
-    return [e for e in entries if e.serial in chosen]
 
 
 def renew(
@@ -507,32 +645,42 @@ def renew(
     ``out_dir`` defaults to ``NAME.renewed-YYYY-MM-DD`` beside the newest bundle; nothing is ever overwritten.
     """
     ca_dir = Path(ca_dir)
-    previous = [e for e in load_inventory(ca_dir) if e.name == name]
-    if not previous:
-        raise PkiError(
-            f"no certificate named {name!r} in {ca_dir / INVENTORY}; issue one with "
-            f"`silo-certs issue-silo {name} --ca {ca_dir}` (see `silo-certs list --ca {ca_dir}`)"
-        )
-    latest = previous[-1]
-    if out_dir is None:
-        out_dir = Path(latest.path).parent / f"{name}.renewed-{_now():%Y-%m-%d}"
-        if out_dir.exists():
-            raise PkiError(f"{out_dir} already exists (renewed today already?); choose a directory with --out")
-    if latest.kind == "hub":
-        if not dns and not ips:
-            dns, ips = _sans_of(Path(latest.path) / BUNDLE_CERT, latest.serial)
-        out = issue_hub(ca_dir, out_dir, dns=dns, ips=ips, days=days, passphrase=passphrase)
-    else:
-        if dns or ips:
-            raise PkiError("--dns/--ip apply to the hub's certificate only; a silo is named by its CN")
-        out = issue_silo(ca_dir, name, out_dir, days=days, passphrase=passphrase)
-    if revoke_old:
-        for e in previous:
-            if e.status != "revoked":
-                revoke(ca_dir, e.serial, passphrase)
-        if latest.kind == "hub":  # the new bundle's CRL copy predates these revocations
-            _write_atomic(out / BUNDLE_CRL, (ca_dir / CRL).read_bytes())
-    return out
+    with ca_lock(ca_dir):  # one step: the previous certificates read here are the ones revoke_old revokes
+        previous = [e for e in load_inventory(ca_dir) if e.name == name]
+        if not previous:
+            raise PkiError(
+                f"no certificate named {name!r} in {ca_dir / INVENTORY}; issue one with "
+                f"`silo-certs issue-silo {name} --ca {ca_dir}` (see `silo-certs list --ca {ca_dir}`)"
+            )
+        latest = previous[-1]
+        if out_dir is None:
+            out_dir = Path(latest.path).parent / f"{name}.renewed-{_now():%Y-%m-%d}"
+            if out_dir.exists():
+                raise PkiError(
+                    f"{out_dir} already exists (renewed today already?); choose a directory with --out"
+                )
+        # "keep": the old certificate stays valid beside the new one until the new bundle is rolled out.
+        if latest.kind == "hub":
+            if not dns and not ips:
+                dns, ips = _sans_of(Path(latest.path) / BUNDLE_CERT, latest.serial)
+            out = _issue_bundle(
+                ca_dir, out_dir, "hub", HUB_CN, _hub_sans(dns, ips), ExtendedKeyUsageOID.SERVER_AUTH, days,
+                passphrase, None, "keep",
+            )
+        else:
+            if dns or ips:
+                raise PkiError("--dns/--ip apply to the hub's certificate only; a silo is named by its CN")
+            out = _issue_bundle(
+                ca_dir, out_dir, "silo", name, [x509.DNSName(name)], ExtendedKeyUsageOID.CLIENT_AUTH, days,
+                passphrase, None, "keep",
+            )
+        if revoke_old:
+            for e in previous:
+                if e.status != "revoked":
+                    revoke(ca_dir, e.serial, passphrase)
+            if latest.kind == "hub":  # the new bundle's CRL copy predates these revocations
+                _write_atomic(out / BUNDLE_CRL, (ca_dir / CRL).read_bytes())
+        return out
 
 
 def _sans_of(cert_path: Path, serial: str) -> tuple[list[str], list[str]]:

@@ -156,7 +156,7 @@ def test_silo_refuses_to_overwrite_a_bundle(ca_dir: Path, tmp_path: Path) -> Non
     out = pki.issue_silo(ca_dir, "branch-01", tmp_path / "b1")
     before = (out / "key.pem").read_bytes()
     with pytest.raises(pki.PkiError, match=r"key\.pem already exists.*delete it first"):
-        pki.issue_silo(ca_dir, "branch-01", out)
+        pki.issue_silo(ca_dir, "branch-02", out)
     assert (out / "key.pem").read_bytes() == before
     assert len(pki.load_inventory(ca_dir)) == 1
 
@@ -352,7 +352,8 @@ def test_cli_errors_are_one_line_and_exit_2(
 def test_cli_refuses_to_overwrite_a_silo_bundle(ca_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["issue-silo", "s1", "--ca", str(ca_dir)]) == 0
     capsys.readouterr()
-    assert main(["issue-silo", "s1", "--ca", str(ca_dir)]) == 2
+    s1_bundle = str(ca_dir.parent / "silos" / "s1")
+    assert main(["issue-silo", "s2", "--ca", str(ca_dir), "--out", s1_bundle]) == 2
     assert "key.pem already exists" in capsys.readouterr().err
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,8 @@ from cryptography import x509
 from security import pki
 from security.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def _cert(path: Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(path.read_bytes())
@@ -19,6 +24,27 @@ def _cert(path: Path) -> x509.Certificate:
 
 def _serial(bundle: Path) -> int:
     return _cert(bundle / "cert.pem").serial_number
+
+
+def _hex(bundle: Path) -> str:
+    return format(_serial(bundle), "x")
+
+
+def _crl_serials(crl_pem: Path, ca: Path) -> set[int]:
+    """The serials a CRL file lists, read with `cryptography` after checking the CA signed it."""
+    crl = x509.load_pem_x509_crl(crl_pem.read_bytes())
+    assert crl.is_signature_valid(_cert(ca / "ca.pem").public_key())  # type: ignore[arg-type]
+    return {r.serial_number for r in crl}
+
+
+def _snapshot(*dirs: Path) -> dict[str, bytes]:
+    """Every file under ``dirs`` (the lock file aside) with its bytes: to show that a refusal wrote nothing."""
+    return {
+        str(f): f.read_bytes()
+        for d in dirs
+        for f in sorted(d.rglob("*"))
+        if f.is_file() and f.name != pki.LOCK
+    }
 
 
 @pytest.fixture
@@ -53,7 +79,7 @@ def test_not_before_in_the_past_makes_an_already_expired_certificate(ca: Path, t
 
 def test_revoke_by_name_revokes_every_certificate_of_that_identity(ca: Path, tmp_path: Path) -> None:
     first = pki.issue_silo(ca, "s1", tmp_path / "s1a")
-    second = pki.issue_silo(ca, "s1", tmp_path / "s1b")
+    second = pki.renew(ca, "s1", out_dir=tmp_path / "s1b")  # two live certificates of one name, on purpose
     other = pki.issue_silo(ca, "s2", tmp_path / "s2")
     revoked = pki.revoke(ca, "s1")
     assert sorted(int(e.serial, 16) for e in revoked) == sorted([_serial(first), _serial(second)])
@@ -69,7 +95,7 @@ def test_revoke_by_name_revokes_every_certificate_of_that_identity(ca: Path, tmp
 
 def test_revoke_by_serial_colon_form_or_prefix_touches_only_that_one(ca: Path, tmp_path: Path) -> None:
     a = pki.issue_silo(ca, "s1", tmp_path / "a")
-    b = pki.issue_silo(ca, "s1", tmp_path / "b")
+    b = pki.renew(ca, "s1", out_dir=tmp_path / "b")
     hex_b = format(_serial(b), "x")
     colon = ":".join(hex_b[i : i + 2] for i in range(0, len(hex_b), 2)).upper()  # as openssl prints it
     assert [e.serial for e in pki.revoke(ca, colon)] == [hex_b]
@@ -173,3 +199,190 @@ def test_cli_revoke_renew_crl_print_what_they_wrote_and_where_to_copy(
     assert main(["revoke", "branch-01", "--ca", str(ca)]) == 2
     assert capsys.readouterr().err.startswith("error: 'branch-01' is already revoked")
     assert json.loads((ca / "issued.json").read_text())[2]["status"] == "revoked"
+
+
+# ------------------------------------------------------------------------------- one live certificate per name
+
+
+def test_issuing_a_live_silo_name_again_is_refused_and_writes_nothing(ca: Path, tmp_path: Path) -> None:
+    first = pki.issue_silo(ca, "silo-001", tmp_path / "first")
+    before = _snapshot(ca, tmp_path / "first")
+    with pytest.raises(pki.PkiError) as refused:
+        pki.issue_silo(ca, "silo-001", tmp_path / "second")
+    message = str(refused.value)
+    assert f"silo 'silo-001' already holds a live certificate (serial {_hex(first)}," in message
+    assert f"`silo-certs renew silo-001 --ca {ca}`" in message
+    assert f"`silo-certs issue-silo silo-001 --ca {ca} --replace`" in message
+    assert not (tmp_path / "second").exists()
+    assert _snapshot(ca, tmp_path / "first") == before
+    assert [e.serial for e in pki.live_certificates(ca, "silo-001")] == [_hex(first)]
+
+
+def test_cli_refuses_a_live_name_with_one_line_naming_serial_and_both_ways_out(
+    ca: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["issue-silo", "silo-001", "--ca", str(ca)]) == 0
+    capsys.readouterr()
+    bundle = ca.parent / "silos" / "silo-001"
+    before = _snapshot(ca, ca.parent / "silos")
+    assert main(["issue-silo", "silo-001", "--ca", str(ca)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"error: silo 'silo-001' already holds a live certificate (serial {_hex(bundle)},")
+    assert "silo-certs renew silo-001" in captured.err and "issue-silo silo-001" in captured.err
+    assert "--replace" in captured.err
+    assert _snapshot(ca, ca.parent / "silos") == before  # inventory, CRL and the existing bundle untouched
+    assert len(pki.load_inventory(ca)) == 1
+
+
+def test_replace_revokes_every_live_certificate_re_signs_the_crl_and_issues(
+    ca: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expired = pki.issue_silo(ca, "s1", tmp_path / "expired", days=1,
+                             not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=5))
+    a = pki.issue_silo(ca, "s1", tmp_path / "a")
+    b = pki.renew(ca, "s1", out_dir=tmp_path / "b")  # two live ones: --replace must catch both
+    other = pki.issue_silo(ca, "s2", tmp_path / "s2")
+    new = tmp_path / "new"
+    assert main(["issue-silo", "s1", "--ca", str(ca), "--out", str(new), "--replace"]) == 0
+    out = capsys.readouterr().out
+    for bundle in (a, b):
+        assert f"revoked the replaced silo certificate 's1' (serial {_hex(bundle)}, bundle {bundle})" in out
+    assert f"wrote {ca / 'crl.pem'}: 2 revoked certificate(s)" in out
+    assert f"copy {ca / 'crl.pem'} to the hub" in out
+
+    # The re-signed CRL lists exactly the two replaced certificates; the new bundle already carries it.
+    assert _crl_serials(ca / "crl.pem", ca) == {_serial(a), _serial(b)}
+    assert (new / "crl.pem").read_bytes() == (ca / "crl.pem").read_bytes()
+    assert pki.cert_common_name((new / "cert.pem").read_bytes()) == "s1"
+    entries = pki.load_inventory(ca)
+    assert [(e.serial, e.status) for e in entries] == [
+        (_hex(expired), "valid"),  # expired already: refused by every peer, nothing to revoke
+        (_hex(a), "revoked"),
+        (_hex(b), "revoked"),
+        (_hex(other), "valid"),
+        (_hex(new), "valid"),
+    ]
+    assert [e.serial for e in pki.live_certificates(ca, "s1")] == [_hex(new)]
+    assert [e.serial for e in pki.live_certificates(ca, "s2")] == [_hex(other)]
+
+
+def test_replace_with_a_wrong_passphrase_revokes_nothing(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca", passphrase=b"pw")
+    pki.issue_silo(ca, "s1", tmp_path / "s1", passphrase=b"pw")
+    before = _snapshot(ca)
+    with pytest.raises(pki.PkiError, match="wrong passphrase"):
+        pki.issue_silo(ca, "s1", tmp_path / "s1-new", passphrase=b"nope", replace=True)
+    assert _snapshot(ca) == before and not (tmp_path / "s1-new").exists()
+
+
+def test_a_name_whose_certificates_are_all_revoked_or_expired_needs_no_replace(
+    ca: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(days=40)
+    pki.issue_silo(ca, "s1", tmp_path / "old", days=30, not_before=past)  # expired
+    live = pki.issue_silo(ca, "s1", tmp_path / "live")
+    # A certificate born expired (tests of expiry handling) is no second live identity: not refused.
+    pki.issue_silo(ca, "s1", tmp_path / "born-expired", days=30, not_before=past)
+    assert [e.serial for e in pki.live_certificates(ca, "s1")] == [_hex(live)]
+    pki.revoke(ca, "s1")
+    crl = (ca / "crl.pem").read_bytes()
+    assert main(["issue-silo", "s1", "--ca", str(ca), "--out", str(tmp_path / "again"), "--replace"]) == 0
+    assert "--replace: there was no live certificate to revoke" in capsys.readouterr().out
+    assert (ca / "crl.pem").read_bytes() == crl  # nothing newly revoked: the CRL is not re-signed
+    pki.revoke(ca, "s1")
+    assert main(["issue-silo", "s1", "--ca", str(ca), "--out", str(tmp_path / "third")]) == 0
+    assert [e.serial for e in pki.live_certificates(ca, "s1")] == [_hex(tmp_path / "third")]
+    assert len(pki.load_inventory(ca)) == 5
+
+
+def test_the_hub_follows_the_same_rule_and_renew_still_keeps_its_identity(
+    ca: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = pki.issue_hub(ca, tmp_path / "hub", dns=["hub.lan"])
+    before = _snapshot(ca)
+    assert main(["issue-hub", "--ca", str(ca), "--out", str(tmp_path / "hub-2")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the hub already holds a live certificate (serial {_hex(old)}," in err
+    assert f"`silo-certs renew hub --ca {ca}`" in err
+    assert f"`silo-certs issue-hub --ca {ca} --out {tmp_path / 'hub-2'} --replace`" in err
+    assert _snapshot(ca) == before and not (tmp_path / "hub-2").exists()
+
+    renewed = pki.renew(ca, "hub", out_dir=tmp_path / "hub-renewed")  # the rollover overlap: both stay valid
+    assert {e.serial for e in pki.live_certificates(ca, "hub")} == {_hex(old), _hex(renewed)}
+
+    assert main(["issue-hub", "--ca", str(ca), "--out", str(tmp_path / "hub-3"), "--replace"]) == 0
+    out = capsys.readouterr().out
+    assert f"revoked the replaced hub certificate 'hub' (serial {_hex(old)}" in out
+    assert "every silo's bundle" in out  # silos must learn that the old hub certificate is revoked
+    assert _crl_serials(ca / "crl.pem", ca) == {_serial(old), _serial(renewed)}
+    assert _crl_serials(tmp_path / "hub-3" / "crl.pem", ca) == {_serial(old), _serial(renewed)}
+    assert [e.serial for e in pki.live_certificates(ca, "hub")] == [_hex(tmp_path / "hub-3")]
+
+
+# ------------------------------------------------------------------------------------ concurrent silo-certs runs
+
+# Each child reports ready, then waits for the go file, so all of them run their command at the same moment.
+_AT_ONCE = """
+import os, sys, time
+from security.cli import main
+open(sys.argv[1], "w").close()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.002)
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _silo_certs_at_once(argvs: list[list[str]], tmp_path: Path) -> list[tuple[int, str, str]]:
+    """Run `silo-certs ARGV` in one process per argv, released together; (exit status, stdout, stderr) each."""
+    go, ready = tmp_path / "go", [tmp_path / f"ready-{i}" for i in range(len(argvs))]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _AT_ONCE, str(r), str(go), *argv], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r, argv in zip(ready, argvs, strict=True)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(r.exists() for r in ready):
+            assert time.monotonic() < deadline, "the silo-certs processes did not start"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+            time.sleep(0.01)
+        go.touch()
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, results, strict=True)]
+
+
+def test_concurrent_issues_and_revokes_lose_no_entry_and_no_revocation(ca: Path, tmp_path: Path) -> None:
+    victims = [pki.issue_silo(ca, f"old-{i}", tmp_path / f"old-{i}") for i in range(3)]
+    names = [f"branch-{i:02d}" for i in range(8)]
+    argvs = [["issue-silo", n, "--ca", str(ca)] for n in names]
+    argvs += [["revoke", f"old-{i}", "--ca", str(ca)] for i in range(3)]
+    results = _silo_certs_at_once(argvs, tmp_path)
+    assert [rc for rc, _, _ in results] == [0] * len(argvs), [err for _, _, err in results]
+
+    entries = pki.load_inventory(ca)
+    issued = {e.name: e for e in entries if e.name.startswith("branch-")}
+    assert sorted(issued) == names
+    assert len({e.serial for e in entries}) == len(entries) == 11
+    for name, e in issued.items():  # each entry is the certificate in its bundle
+        assert e.serial == _hex(ca.parent / "silos" / name) and e.status == "valid"
+    assert {e.name for e in entries if e.status == "revoked"} == {"old-0", "old-1", "old-2"}
+    assert _crl_serials(ca / "crl.pem", ca) == {_serial(v) for v in victims}
+
+
+def test_two_concurrent_issues_of_the_same_name_one_wins_one_is_refused(ca: Path, tmp_path: Path) -> None:
+    outs = [tmp_path / "first", tmp_path / "second"]
+    results = _silo_certs_at_once([["issue-silo", "silo-001", "--ca", str(ca), "--out", str(o)] for o in outs],
+                                  tmp_path)
+    assert sorted(rc for rc, _, _ in results) == [0, 2]
+    winner = next(o for o, (rc, _, _) in zip(outs, results, strict=True) if rc == 0)
+    loser = next(o for o, (rc, _, _) in zip(outs, results, strict=True) if rc == 2)
+    err = next(err for rc, _, err in results if rc == 2)
+    assert err.startswith(f"error: silo 'silo-001' already holds a live certificate (serial {_hex(winner)},")
+    assert err.count("\n") == 1 and "--replace" in err
+    assert not loser.exists()
+    assert [(e.name, e.serial) for e in pki.load_inventory(ca)] == [("silo-001", _hex(winner))]
