@@ -43,15 +43,15 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from silo_core.config_base import StrictConfig
 
 UNCLIPPED = "dp/unclipped"  # the adaptive-clipping indicator, centered: b_i - 1/2
 
 
 # ---------------------------------------------------------------------------------------------- configuration
-class AdaptiveClipping(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AdaptiveClipping(StrictConfig):
     enabled: bool = Field(False, description="follow a quantile of the update norms (Andrew et al. 2021)")
     target_quantile: float = Field(0.5, gt=0, lt=1, description="gamma: the fraction of updates left unclipped")
     learning_rate: float = Field(0.2, gt=0, description="eta: C <- C * exp(-eta * (unclipped fraction - gamma))")
@@ -61,10 +61,8 @@ class AdaptiveClipping(BaseModel):
     )
 
 
-class DPConfig(BaseModel):
+class DPConfig(StrictConfig):
     """Client-level DP (the hub.yaml `privacy.dp` section)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(False, description="clip every silo update and add Gaussian noise to the sum")
     noise_multiplier: float = Field(1.0, gt=0, description="z: noise std on the sum is z * clip_norm")

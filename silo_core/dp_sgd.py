@@ -27,20 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from silo_core.config_base import StrictConfig
 from silo_core.files import write_json_atomic
 
 log = logging.getLogger("silo_core.dp_sgd")
 
 
-class SampleDPConfig(BaseModel):
+class SampleDPConfig(StrictConfig):
     """hub.yaml `privacy.sample_dp`: DP-SGD in every silo's local training (off by default)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(False, description="train at every silo with DP-SGD (needs model.options.norm: group)")
     noise_multiplier: float = Field(1.0, gt=0, description="sigma: noise std on a batch's gradient sum is "

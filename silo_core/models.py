@@ -160,13 +160,18 @@ class ModelSpec:
             raise ValueError(f"unknown options.norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if self.options.get("head", "pool") not in HEADS:
             raise ValueError(f"unknown options.head {self.options['head']!r}; choose one of {', '.join(HEADS)}")
-        for key in ("width", "widen"):
+        # Upper bounds far above any useful network: a typo (width 16000) fails here, not as memory exhausted.
+        for key, most in (("width", 4096), ("widen", 64)):
             value = self.options.get(key, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"options.{key} must be a positive whole number, got {value!r}")
+            if value > most:
+                raise ValueError(f"options.{key} must be at most {most}, got {value!r}")
         scale = self.options.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
             raise ValueError(f"options.scale must be a positive number, got {scale!r}")
+        if not scale <= 64:  # also refuses inf
+            raise ValueError(f"options.scale must be a finite number up to 64, got {scale!r}")
 
     def scaled(self, factor: float) -> ModelSpec:
         """The same architecture with every channel count multiplied by ``factor`` (e.g. 0.25 for a compact

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
+from silo_core.config_base import ConfigPath, StrictConfig
 from silo_core.models import ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
@@ -19,22 +20,39 @@ class ConfigError(ValueError):
     """A config file problem, phrased for the operator: which file, which key, what to do."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Upper bounds: far above any real federation, low enough that a typo (an extra zero or three) is caught here
+# rather than as a hub that hangs, exhausts memory or never ends.
+MAX_SILOS = 100_000
+DAY_S = 86_400.0
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1, description="numpy's generators take seeds in [0, 2^32)")]
 
 
-class DataSource(_Strict):
+def _fraction(value: Any, count_key: str, what: str) -> Any:
+    """A fraction key takes a fraction written as one (0.5, 1.0). A bare integer is refused: `1` used to mean
+    100% here, while many read it as one silo, so the count lives in its own key."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = f"; for a number of silos use {count_key}: {value} instead" if value >= 1 else ""
+        raise ValueError(f"must be a fraction of {what} in (0, 1], written with a decimal point (e.g. 0.5, or 1.0 "
+                         f"for all){count}")
+    if isinstance(value, float) and value > 1:
+        raise ValueError(f"must be a fraction of {what} in (0, 1]; for a number of silos use "
+                         f"{count_key}: {value:g} instead")
+    return value
+
+
+class DataSource(StrictConfig):
     """Where a set of images comes from."""
 
     kind: Literal["imagefolder", "torchvision", "demo"] = Field(
         description="imagefolder: one sub-folder per class; torchvision: local dataset files; demo: bundled set"
     )
-    path: Path | None = Field(None, description="imagefolder: the folder")
+    path: ConfigPath | None = Field(None, description="imagefolder: the folder")
     name: str | None = Field(None, description="torchvision: dataset name, e.g. FashionMNIST")
-    root: Path | None = Field(None, description="torchvision: folder holding <name>/raw (never downloads)")
+    root: ConfigPath | None = Field(None, description="torchvision: folder holding <name>/raw (never downloads)")
     split: Literal["train", "test"] = "train"
-    labels_per_class: int | None = Field(None, ge=1, description="keep a stratified subset of this many per class")
-    seed: int = 0
+    labels_per_class: int | None = Field(None, ge=1, le=10_000_000,
+                                         description="keep a stratified subset of this many per class")
+    seed: Seed = 0
 
     @model_validator(mode="after")
     def _needs(self) -> DataSource:
@@ -45,36 +63,47 @@ class DataSource(_Strict):
         return self
 
 
-class RunSection(_Strict):
+class RunSection(StrictConfig):
     name: str = "silokit"
-    seed: int = 0
+    seed: Seed = 0
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
-    state_dir: Path = Field(Path("hub-state"), description="checkpoints, history, final model")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads for the hub (default: torch's)")
+    state_dir: ConfigPath = Field(Path("hub-state"), description="checkpoints, history, final model")
+    threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads for the hub (default: torch's)")
 
 
-class ServerSection(_Strict):
+class ServerSection(StrictConfig):
     host: str = "0.0.0.0"
-    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port (written to state_dir/port)")
-    certs: Path = Field(Path("certs/hub"), description="bundle from `silo-certs issue-hub`: ca.pem cert.pem key.pem")
+    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port on the first start (written to "
+                      "state_dir/port); a restart binds that same port again, so running silos find the hub")
+    certs: ConfigPath = Field(Path("certs/hub"),
+                              description="bundle from `silo-certs issue-hub`: ca.pem cert.pem key.pem")
     long_poll_s: float = Field(10.0, gt=0, le=300)
-    max_workers: int = Field(256, ge=8, description="gRPC threads; each waiting silo holds one")
-    linger_s: float = Field(15.0, ge=0, description="keep serving this long after the run so silos learn it ended")
+    max_workers: int = Field(256, ge=8, le=10_000, description="gRPC threads; each waiting silo holds one")
+    linger_s: float = Field(15.0, ge=0, le=DAY_S,
+                            description="keep serving this long after the run so silos learn it ended")
 
 
-class DataSection(_Strict):
+class DataSection(StrictConfig):
     labeled: DataSource
     test: DataSource | None = None
     validation: DataSource | None = None
 
 
-class ModelSection(_Strict):
+class ModelSection(StrictConfig):
     name: str = "small_cnn"
     image_size: int = Field(28, ge=8, le=512)
-    in_channels: Literal[1, 3] = 1
+    in_channels: int = Field(1, description="1 (grayscale) or 3 (RGB)")
     mean: list[float] | None = None
     std: list[float] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("in_channels")
+    @classmethod
+    def _channels(cls, value: int) -> int:
+        # An int checked by hand, not Literal[1, 3]: a Literal would take YAML's `true` as 1.
+        if value not in (1, 3):
+            raise ValueError(f"must be 1 (grayscale) or 3 (RGB), got {value}")
+        return value
 
     @model_validator(mode="after")
     def _known(self) -> ModelSection:
@@ -85,52 +114,91 @@ class ModelSection(_Strict):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:
                 raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError("std values must be positive (images are divided by them)")
         return self
 
 
-class AlgorithmSection(_Strict):
+class AlgorithmSection(StrictConfig):
     name: str = "semifl"
     options: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _known(self) -> AlgorithmSection:
-        entry = ALGORITHMS.get(self.name)
-        if entry is None:
-            raise ValueError(f"unknown algorithm {self.name!r}; choose one of {', '.join(ALGORITHMS)}")
-        entry.options.model_validate(self.options)  # raises with the bad option's name
-        return self
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+        return name
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # Field validators (not one on the model), so that a bad option is reported as algorithm.options.<key>.
+        if "name" in info.data:  # else the name was refused already
+            ALGORITHMS[info.data["name"]].options.model_validate(options)  # raises with the bad option's name
+        return options
 
     def parsed_options(self) -> BaseModel:
         return get_algorithm(self.name).options.model_validate(self.options)
 
 
-class RoundsSection(_Strict):
-    total: int = Field(10, ge=1)
-    silos_per_round: float = Field(
-        1.0, gt=0, description="a fraction of connected silos if <= 1.0, else a count (e.g. 10)"
+class RoundsSection(StrictConfig):
+    """How many silos train in a round and how many reports apply it: each as a fraction OR a count, in two keys,
+    so that no value can be read both ways."""
+
+    total: int = Field(10, ge=1, le=1_000_000)
+    silos_per_round: float = Field(1.0, gt=0, description="fraction of the live silos sampled each round, in (0, 1]")
+    silos_per_round_count: int | None = Field(
+        None, ge=1, le=MAX_SILOS, description="number of live silos sampled each round (instead of the fraction)"
     )
-    min_silos: int = Field(1, ge=1, description="wait for this many connected silos before a round starts")
-    quorum: float = Field(
-        0.5, gt=0, description="reports needed: a fraction of sampled silos if <= 1.0, else a count"
+    min_silos: int = Field(1, ge=1, le=MAX_SILOS,
+                           description="wait for this many connected silos before a round starts")
+    quorum: float = Field(0.5, gt=0, description="reports needed, as a fraction of the sampled silos, in (0, 1]")
+    quorum_silos: int | None = Field(
+        None, ge=1, le=MAX_SILOS, description="number of reports needed (instead of the fraction)"
     )
-    deadline_s: float = Field(600.0, gt=0, description="a round's time limit; late silos are left out")
-    max_attempts: int = Field(5, ge=1, description="a round below quorum is retried this many times, then the hub stops")
-    liveness_s: float = Field(60.0, gt=0, description="a silo unheard of for longer is not sampled")
+    deadline_s: float = Field(600.0, gt=0, le=DAY_S, description="a round's time limit; late silos are left out")
+    max_attempts: int = Field(5, ge=1, le=1000,
+                              description="a round below quorum is retried this many times, then the hub stops")
+    liveness_s: float = Field(60.0, gt=0, le=DAY_S, description="a silo unheard of for longer is not sampled")
+
+    @field_validator("silos_per_round", mode="before")
+    @classmethod
+    def _sample_fraction(cls, value: Any) -> Any:
+        return _fraction(value, "rounds.silos_per_round_count", "the live silos")
+
+    @field_validator("quorum", mode="before")
+    @classmethod
+    def _quorum_fraction(cls, value: Any) -> Any:
+        return _fraction(value, "rounds.quorum_silos", "the sampled silos")
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> RoundsSection:
+        for fraction, count in (("silos_per_round", "silos_per_round_count"), ("quorum", "quorum_silos")):
+            if fraction in self.model_fields_set and getattr(self, count) is not None:
+                raise ValueError(f"set rounds.{fraction} (a fraction) or rounds.{count} (a number of silos), "
+                                 "not both")
+        if (self.quorum_silos is not None and self.silos_per_round_count is not None
+                and self.quorum_silos > self.silos_per_round_count):
+            raise ValueError(f"rounds.quorum_silos ({self.quorum_silos}) exceeds rounds.silos_per_round_count "
+                             f"({self.silos_per_round_count}): no round could reach it; lower quorum_silos")
+        return self
 
 
-class WireSection(_Strict):
+class WireSection(StrictConfig):
     chunk_bytes: int = Field(CHUNK_BYTES, ge=1024, le=4 << 20)
-    max_upload_bytes: int = Field(512 << 20, ge=1024)
+    max_upload_bytes: int = Field(512 << 20, ge=1024, le=64 << 30)
     max_inflight_upload_bytes: int = Field(
-        64 << 20, ge=1 << 20, description="uploads held at once (being received and checked) stay under this many "
+        64 << 20, ge=1 << 20, le=64 << 30,
+        description="uploads held at once (being received and checked) stay under this many "
         "bytes; later ones wait their turn, so hub memory stays flat however many silos report together")
     half_precision: bool = Field(False, description="large float tensors travel as float16 (model and deltas)")
 
 
-class SecuritySection(_Strict):
+class SecuritySection(StrictConfig):
     """What the hub enforces beyond the TLS handshake (see docs/security.md)."""
 
-    crl: Path | None = Field(
+    crl: ConfigPath | None = Field(
         None, description="the CA's crl.pem, checked on every call and reloaded when it changes "
         "(default: crl.pem in server.certs)"
     )
@@ -152,15 +220,18 @@ class SecuritySection(_Strict):
         if names is not None and len(set(names)) != len(names):
             raise ValueError("lists a silo twice")
         return names
-class MetricsSection(_Strict):
+
+
+class MetricsSection(StrictConfig):
     enabled: bool = Field(True, description="serve Prometheus metrics at http://host:port/metrics")
     host: str = Field("127.0.0.1", description="address of the metrics endpoint; 0.0.0.0 for a remote Prometheus")
     port: int = Field(9400, ge=0, le=65535, description="0 picks a free port (written to state_dir/metrics_port)")
-    final_scrape_s: float = Field(30.0, ge=0, description="at the end, wait this long for a last scrape (only "
+    final_scrape_s: float = Field(30.0, ge=0, le=DAY_S,
+                                  description="at the end, wait this long for a last scrape (only "
                                   "when something has scraped the endpoint before)")
 
 
-class HubConfig(_Strict):
+class HubConfig(StrictConfig):
     run: RunSection = Field(default_factory=RunSection)
     server: ServerSection = Field(default_factory=ServerSection)
     data: DataSection
@@ -198,6 +269,16 @@ def _resolve_paths(node: Any, base: Path) -> None:
                 _resolve_paths(value, base)
 
 
+# What to write instead, for the type errors that strict parsing raises (YAML's `true`, `'10'`, `.inf`, ...).
+_TYPE_HINTS = {
+    "int_type": "write a whole number without quotes, e.g. 10",
+    "float_type": "write a number without quotes, e.g. 0.5",
+    "bool_type": "write true or false without quotes",
+    "string_type": "write text, quoted if YAML would read it as something else",
+    "finite_number": ".inf and .nan are not settings; write a finite number",
+}
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -206,6 +287,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"{source}: unknown key '{key}' (check the spelling; see the config reference in README.md)")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{key}'")
+        elif e["type"] in _TYPE_HINTS:
+            given = repr(e["input"])[:60]
+            lines.append(f"{source}: bad value for '{key}': {e['msg']}, got {given}; {_TYPE_HINTS[e['type']]}")
         else:
             lines.append(f"{source}: bad value for '{key}': {e['msg']}")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from security.dp import (
     UNCLIPPED,
@@ -37,6 +37,7 @@ from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggPar
 from security.secagg import messages as msg
 from security.secagg.params import QuantizationRule
 from security.secagg.quantize import rule_for
+from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig
 from silo_core.tensors import TensorSpec
 
@@ -47,10 +48,8 @@ __all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "RoundAbandoned", 
 STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "unmask", "abort")
 
 
-class PrivacySection(BaseModel):
+class PrivacySection(StrictConfig):
     """hub.yaml `privacy`: secure aggregation and differential privacy (both off by default)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     secure_aggregation: SecAggParams = Field(default_factory=SecAggParams)
     dp: DPConfig = Field(default_factory=DPConfig)
@@ -112,7 +111,8 @@ class HubPrivacy:
                 session = HubSession(task_id, sorted(sampled), params, shapes, min_survivors=need)
             except ValueError as err:
                 raise RuntimeError(f"secure aggregation cannot run with {len(sampled)} silos in a round: {err}; "
-                                   f"raise rounds.silos_per_round / rounds.min_silos or the bits budget") from None
+                                   "raise rounds.silos_per_round (or rounds.silos_per_round_count) / rounds.min_silos "
+                                   "or the bits budget") from None
         return RoundPrivacy(instructions, session, accepted, len(sampled), enrolled)
 
     def _round_params(self, instructions: SiloInstructions | None, accepted: dict[str, TensorSpec]) -> SecAggParams:

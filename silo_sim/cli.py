@@ -73,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", choices=["iid", "classes", "dirichlet"], default="iid")
     p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet alpha (with --partition dirichlet)")
     p.add_argument("--classes-per-silo", type=int, default=2, help="with --partition classes")
-    p.add_argument("--silos-per-round", type=float, default=1.0, help="fraction (<=1) or count of silos per round")
+    per_round = p.add_mutually_exclusive_group()
+    per_round.add_argument("--silos-per-round", type=float, metavar="FRACTION",
+                           help="fraction of the silos sampled each round, in (0, 1] (default 1.0: all)")
+    per_round.add_argument("--silos-per-round-count", type=int, metavar="N",
+                           help="number of silos sampled each round (instead of a fraction)")
     p.add_argument("--labeled-silos", type=int, default=0, metavar="K",
                    help="the first K silos are partly labeled (HASSLE trains on their labels; default 0)")
     p.add_argument("--silo-labels-per-class", type=int, default=5, metavar="N",
@@ -115,6 +119,21 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+def rounds_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The hub.yaml key for --silos-per-round or --silos-per-round-count (none: the hub's default, every silo).
+    Only the given one is set, so --hub-set can still choose the other."""
+    if args.silos_per_round is not None:
+        if not 0 < args.silos_per_round <= 1:
+            raise ValueError(f"--silos-per-round is a fraction in (0, 1], got {args.silos_per_round:g}; for a "
+                             f"number of silos use --silos-per-round-count")
+        return {"silos_per_round": args.silos_per_round}
+    if args.silos_per_round_count is not None:
+        if args.silos_per_round_count < 1:
+            raise ValueError("--silos-per-round-count must be at least 1")
+        return {"silos_per_round_count": args.silos_per_round_count}
+    return {}
 
 
 def validation_per_class(args: argparse.Namespace, needed: bool) -> int | None:
@@ -364,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             "wire": {"half_precision": args.half_precision},
             # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
             **({"server": {"linger_s": 30.0}} if getattr(args, "prometheus_targets", None) else {}),
-            "rounds": {"total": args.rounds, "silos_per_round": args.silos_per_round, "min_silos": args.silos,
-                       "quorum": 0.5, "deadline_s": 900},
+            "rounds": {"total": args.rounds, "min_silos": args.silos, "deadline_s": 900, **rounds_sampling(args)},
         }
         apply_hub_settings(hub_config, args.hub_set)
         extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
@@ -377,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                                       seed=args.seed, hub_config=hub_config, **extra)
             print(f"staged a demo federation in {staged.root}:")
             print(f"  hub:   silo-server --config {staged.hub_config}   (port 0 = a free port, written to "
-                  f"{staged.hub_state_dir}/port; set server.port to fix it)")
+                  f"{staged.hub_state_dir}/port and bound again on a restart; set server.port to fix it)")
             for s in staged.silos[:3]:
                 data = (f"--data {s.data} " if s.data else "") + (f"--labeled {s.labeled} " if s.labeled else "")
                 print(f"  silo:  silo-client {data}--certs {s.certs} --hub 127.0.0.1:PORT")

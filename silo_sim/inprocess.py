@@ -36,9 +36,15 @@ def run_inprocess(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     round_hyperparameters: dict[str, Any] | None = None,
     validate: Callable[[HubState], dict[str, float]] | None = None,
+    silos_per_round_count: int | None = None,
 ) -> tuple[HubState, list[dict[str, Any]]]:
     """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp); `validate`
-    and `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*)."""
+    and `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*).
+    Each round samples the fraction `silos_per_round` of the silos, or `silos_per_round_count` of them when given
+    (hub.yaml's rounds.silos_per_round and rounds.silos_per_round_count)."""
+    if not 0 < silos_per_round <= 1:
+        raise ValueError(f"silos_per_round is a fraction in (0, 1], got {silos_per_round}; for a number of silos "
+                         "pass silos_per_round_count")
     state = hub.init_state()
     history: list[dict[str, Any]] = []
     rng = random.Random(seed)
@@ -50,8 +56,12 @@ def run_inprocess(
         sampled: list[SiloData] = []
         silo_seconds = 0.0
         if hub.needs_silos and silo is not None and silos:
-            count = max(1, int(silos_per_round * len(silos))) if silos_per_round <= 1 else int(silos_per_round)
-            sampled = rng.sample(silos, min(count, len(silos)))
+            # The count the deployed hub samples (Hub._sample_count), so that the numbers carry over.
+            if silos_per_round_count is not None:
+                count = min(len(silos), silos_per_round_count)
+            else:
+                count = max(1, int(round(silos_per_round * len(silos), 9)))
+            sampled = rng.sample(silos, count)
             for data in sampled:
                 silo_started = time.time()
                 result = silo.local_update(plan, data)

@@ -141,7 +141,9 @@ def stage_federation(
                  **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},
         "model": {"name": "small_cnn", "image_size": 28, "in_channels": 1},
         "algorithm": {"name": "semifl", "options": {}},
-        "rounds": {"total": 5, "silos_per_round": 1.0, "min_silos": num_silos, "quorum": 0.5},
+        # Sampling and quorum are left to the hub's defaults (every silo, half of them), so that hub_config may set
+        # either the fraction or the count key of each (setting both is an error).
+        "rounds": {"total": 5, "min_silos": num_silos},
         "metrics": {"host": "127.0.0.1", "port": 0},
     }
     for section, values in (hub_config or {}).items():

@@ -206,7 +206,7 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
     return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.config.noise_multiplier
             if finite else None, "spent_epsilon": dp.epsilon() if finite else None, "sample_rate": q,
             "final_accuracy": history[-1]["test_accuracy"], "history": history, "seconds": time.time() - started,
-            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round": per_round,
+            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round,
             "median_update_norm": statistics.median(norms) if norms else None}
 
 
@@ -252,7 +252,7 @@ def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
             z, e = "0 (clip only)", "inf"
         snr = "-"
         if c["noise_multiplier"] is not None and c.get("parameters"):
-            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters']) / c['silos_per_round']:.1f}"
+            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters']) / c['silos_per_round_count']:.1f}"
         lines.append(f"| {name} | {z} | {e} | {100 * c['final_accuracy']:.1f} | {snr} |")
     return "\n".join(lines) + "\n"
 
@@ -263,7 +263,7 @@ def remake_dp_markdown(path: Path) -> str:
     args = argparse.Namespace(**data["settings"])
     for c in data["cells"]:
         c.setdefault("parameters", sum(p.numel() for p in ModelSpec(num_classes=10).build().parameters()))
-        c.setdefault("silos_per_round", round(args.sample_rate * args.silos))
+        c.setdefault("silos_per_round_count", round(args.sample_rate * args.silos))
         if isinstance(c["target_epsilon"], str):
             c["target_epsilon"] = float(c["target_epsilon"])
     return dp_markdown(data["cells"], args, data["machine"])

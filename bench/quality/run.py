@@ -60,7 +60,7 @@ PARTITIONS = {"iid": {"scheme": "iid"}, "dir0.3": {"scheme": "dirichlet", "alpha
 class Profile:
     rounds: int
     num_silos: int
-    silos_per_round: float
+    silos_per_round: float  # a fraction of the silos, in (0, 1] (rounds.silos_per_round)
     unlabeled_limit: int | None  # None: the whole training set minus hub labels and validation
     test_limit: int | None
     seeds: list[int]

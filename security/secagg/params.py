@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from security.secagg.quantize import Rule
+from silo_core.config_base import StrictConfig
 
 
-class QuantizationRule(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class QuantizationRule(StrictConfig):
     pattern: str = Field(description="fnmatch pattern over tensor names; the first matching rule applies")
     clip: float = Field(gt=0, description="values are clipped to [-clip, clip] before encoding")
     bits: int = Field(ge=1, le=48, description="levels per value: 2^bits - 1 across [-clip, clip]")
@@ -27,23 +26,21 @@ def _default_rules() -> list[QuantizationRule]:
     ]
 
 
-class SecAggParams(BaseModel):
+class SecAggParams(StrictConfig):
     """SecAgg+ knobs. Defaults: a neighbourhood of ~3 log2 n, t = 2/3 of it (always a strict majority, >= 2),
     sums in Z_{2^32}, every tensor clipped to [-1, 1] in 20 bits except `weight` (up to 1024)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     enabled: bool = Field(False, description="mask every silo upload; the hub learns only the sum")
     neighbours: int | None = Field(
-        None, ge=2, description="k: each silo masks with and shares among k others (None: 3*ceil(log2 n))"
+        None, ge=2, le=10_000, description="k: each silo masks with and shares among k others (None: 3*ceil(log2 n))"
     )
     threshold: float = Field(
         2 / 3, gt=0, le=1, description="t as a fraction of k (raised to a strict majority and at least 2)"
     )
     modulus_bits: Literal[32, 64] = Field(32, description="sums live in Z_{2^m}; 32 halves the upload of 64")
     quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
-    max_masked_bytes: int = Field(1 << 30, ge=1024, description="cap on one masked upload")
-    stage_deadline_s: float = Field(120.0, gt=0, description="time limit of each stage after training")
+    max_masked_bytes: int = Field(1 << 30, ge=1024, le=64 << 30, description="cap on one masked upload")
+    stage_deadline_s: float = Field(120.0, gt=0, le=86_400, description="time limit of each stage after training")
 
     @model_validator(mode="after")
     def _bits_fit(self) -> SecAggParams:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel
-
 from silo_core.algorithms.base import HubAlgorithm, SiloAlgorithm
 from silo_core.algorithms.fedavg_fixmatch import FedAvgFixMatchHub, FedAvgFixMatchOptions, FedAvgFixMatchSilo
 from silo_core.algorithms.fedseal import FedSEALHub, FedSEALOptions, FedSEALSilo
@@ -13,11 +11,12 @@ from silo_core.algorithms.hassle import HASSLEHub, HASSLEOptions, HASSLESilo
 from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
 from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
 from silo_core.algorithms.supervised import SupervisedHub, SupervisedOptions, SupervisedSilo
+from silo_core.config_base import StrictConfig
 
 
 @dataclass(frozen=True)
 class AlgorithmEntry:
-    options: type[BaseModel]
+    options: type[StrictConfig]
     hub: type[HubAlgorithm]
     silo: type[SiloAlgorithm] | None
 

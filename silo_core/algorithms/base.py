@@ -17,19 +17,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
+from silo_core.config_base import StrictConfig
 from silo_core.models import ModelSpec
 from silo_core.tensors import TensorSpec
 from silo_core.training import OptimizerSettings, scheduled_lr
 
 
-class SGDOptions(BaseModel):
+class SGDOptions(StrictConfig):
     """Local SGD knobs shared by FedSEAL, HASSLE and the baselines (each algorithm redeclares the defaults its
     paper uses). SemiFL keeps its own copy of these fields so its documented defaults never move."""
-
-    model_config = ConfigDict(extra="forbid")
 
     lr: float = Field(0.03, gt=0.0, description="SGD learning rate of round 1 (hub and silos)")
     lr_schedule: Literal["cosine", "constant", "exponential"] = "cosine"
@@ -47,12 +46,10 @@ class SGDOptions(BaseModel):
         return scheduled_lr(self.lr, round_number, total_rounds, self.lr_schedule, self.lr_decay)
 
 
-class StrongAugmentOptions(BaseModel):
+class StrongAugmentOptions(StrictConfig):
     """RandAugment + Cutout, the strong view A(x) of FixMatch-style losses."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    randaugment_ops: int = Field(2, ge=0)
+    randaugment_ops: int = Field(2, ge=0, le=16)
     randaugment_magnitude: int = Field(10, ge=0, le=30)
     cutout: float = Field(0.5, ge=0.0, le=1.0, description="Cutout side as a fraction of the image side")
 

@@ -62,11 +62,13 @@ from silo_core.training import (
 class ParallelFedAvgOptions(SGDOptions):
     """FedAvg with the hub as one more participant; SemiFL's optimiser settings (the ablation's source)."""
 
-    init_epochs: int = Field(0, ge=0, description="hub epochs on its labels before round 1 (0: vanilla random start)")
-    hub_epochs: int = Field(5, ge=0, description="E_s: the hub's own epochs per round, in parallel with the silos")
-    local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
-    hub_batch_size: int = Field(10, ge=2, description="B_s")
-    silo_batch_size: int = Field(10, ge=2, description="B_m")
+    init_epochs: int = Field(0, ge=0, le=1000,
+                             description="hub epochs on its labels before round 1 (0: vanilla random start)")
+    hub_epochs: int = Field(5, ge=0, le=1000,
+                            description="E_s: the hub's own epochs per round, in parallel with the silos")
+    local_epochs: int = Field(5, ge=1, le=1000, description="E: silo epochs per round")
+    hub_batch_size: int = Field(10, ge=2, le=65536, description="B_s")
+    silo_batch_size: int = Field(10, ge=2, le=65536, description="B_m")
     hub_participates: bool = Field(True, description="average the hub's model in with the silos'")
     aggregation: Literal["uniform", "samples"] = Field(
         "uniform", description="uniform: every participant weighs 1 (SemiFL's code); samples: weighted by images")

@@ -76,11 +76,12 @@ class FedSEALOptions(SGDOptions, StrongAugmentOptions):
     lr_schedule: Literal["cosine", "constant", "exponential"] = "exponential"
     lr_decay: float = Field(0.995, gt=0.0, le=1.0, description="paper: 0.995 per round")
     nesterov: bool = False
-    init_epochs: int | None = Field(None, ge=0, description="hub epochs for w_1 before round 1; default hub_epochs")
-    hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
-    local_epochs: int = Field(5, ge=1, description="E_c: silo epochs per round")
-    hub_batch_size: int = Field(10, ge=2, description="B_s")
-    silo_batch_size: int = Field(10, ge=2, description="B_c")
+    init_epochs: int | None = Field(None, ge=0, le=1000,
+                                    description="hub epochs for w_1 before round 1; default hub_epochs")
+    hub_epochs: int = Field(5, ge=0, le=1000, description="E_s: hub fine-tune epochs per round")
+    local_epochs: int = Field(5, ge=1, le=1000, description="E_c: silo epochs per round")
+    hub_batch_size: int = Field(10, ge=2, le=65536, description="B_s")
+    silo_batch_size: int = Field(10, ge=2, le=65536, description="B_c")
     theta: float = Field(0.05, gt=0.0, lt=1.0, description="complementary labels: classes with pbar below theta")
     threshold_denominator: Literal["true_class", "predicted_class"] = Field(
         "true_class", description="den_m: validation images of class m, or those predicted as m")

@@ -80,8 +80,8 @@ class HASSLEOptions(SGDOptions):
     lr: float = Field(0.1, gt=0.0, description="paper: 0.1")
     lr_schedule: Literal["cosine", "constant", "exponential"] = "constant"
     nesterov: bool = False
-    local_epochs: int = Field(10, ge=1, description="E: epochs per model per round at every site")
-    batch_size: int = Field(128, ge=2)
+    local_epochs: int = Field(10, ge=1, le=1000, description="E: epochs per model per round at every site")
+    batch_size: int = Field(128, ge=2, le=65536)
     gamma: float = Field(0.001, ge=0.0, description="model proximity weight")
     proximity: Literal["squared", "l2"] = Field(
         "squared", description="squared: gamma*||w - w'||^2 (authors' code); l2: gamma*||w - w'|| (Eq. 12 as printed)")
@@ -97,10 +97,11 @@ class HASSLEOptions(SGDOptions):
     inference: Literal["ensemble", "supervised", "unsupervised"] = Field(
         "ensemble", description="the served model: mean of both logit sums, S + r_US, or U + r_SU")
     hub_participates: bool = Field(True, description="the hub trains S and r_US on its labels as a site")
-    hub_epochs: int | None = Field(None, ge=1, description="the hub's epochs as a site; default local_epochs")
-    hub_batch_size: int | None = Field(None, ge=2, description="the hub's batch size as a site; default batch_size")
-    hub_warmup_epochs: int = Field(0, ge=0, description="epochs of S on the hub's labels before round 1, copied to U "
-                                                        "(0: the paper's plain initialisation)")
+    hub_epochs: int | None = Field(None, ge=1, le=1000, description="the hub's epochs as a site; default local_epochs")
+    hub_batch_size: int | None = Field(None, ge=2, le=65536,
+                                       description="the hub's batch size as a site; default batch_size")
+    hub_warmup_epochs: int = Field(0, ge=0, le=1000, description="epochs of S on the hub's labels before round 1, "
+                                   "copied to U (0: the paper's plain initialisation)")
 
 
 # ---------------------------------------------------------------------------------------------- the math

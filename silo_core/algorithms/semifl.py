@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
@@ -40,6 +40,7 @@ from silo_core.algorithms.base import (
     weighted_delta,
 )
 from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_for
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
@@ -54,10 +55,8 @@ from silo_core.training import (
 )
 
 
-class SemiFLOptions(BaseModel):
+class SemiFLOptions(StrictConfig):
     """Every SemiFL knob; defaults are the paper's (see shared papers notes)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     tau: float = Field(0.95, ge=0.0, le=1.0, description="confidence threshold for pseudo-labels")
     threshold_rule: Literal["fixed", "flexmatch", "freematch"] = Field(
@@ -65,11 +64,11 @@ class SemiFLOptions(BaseModel):
         description="fixed: tau for every class (paper); flexmatch: tau scaled down for classes whose images "
         "rarely pass it; freematch: mean confidence scaled by each class's mean probability (ignores tau)",
     )
-    hub_epochs: int = Field(5, ge=0, description="E_s: hub fine-tune epochs per round")
-    init_epochs: int | None = Field(None, ge=0, description="hub epochs before round 1; default hub_epochs")
-    local_epochs: int = Field(5, ge=1, description="E: silo epochs per round")
-    hub_batch_size: int | None = Field(None, ge=2, description="B_s; default 10 for <=1000 labels, else 250")
-    silo_batch_size: int = Field(10, ge=2, description="B_m")
+    hub_epochs: int = Field(5, ge=0, le=1000, description="E_s: hub fine-tune epochs per round")
+    init_epochs: int | None = Field(None, ge=0, le=1000, description="hub epochs before round 1; default hub_epochs")
+    local_epochs: int = Field(5, ge=1, le=1000, description="E: silo epochs per round")
+    hub_batch_size: int | None = Field(None, ge=2, le=65536, description="B_s; default 10 for <=1000 labels, else 250")
+    silo_batch_size: int = Field(10, ge=2, le=65536, description="B_m")
     lr: float = Field(0.03, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
@@ -85,7 +84,7 @@ class SemiFLOptions(BaseModel):
     )
     sbn: Literal["hub"] = Field("hub", description="static BN statistics from hub data (paper Table 3)")
     flip: bool = Field(True, description="horizontal flips in augmentation (off for digits/text)")
-    randaugment_ops: int = Field(2, ge=0)
+    randaugment_ops: int = Field(2, ge=0, le=16)
     randaugment_magnitude: int = Field(10, ge=0, le=30)
     cutout: float = Field(0.5, ge=0.0, le=1.0, description="Cutout side as a fraction of the image side")
 
