@@ -36,7 +36,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(
         ca=ca,
         hub=pki.issue_hub(ca, root / "hub", dns=[], ips=[]),
-        hub_named=pki.issue_hub(ca, root / "hub-named", dns=["hub.internal"], ips=[]),
+        # a second live hub certificate for the same CA is a renewal (issue-hub refuses a live name)
+        hub_named=pki.renew(ca, "hub", out_dir=root / "hub-named", dns=["hub.internal"], ips=[]),
         silo=pki.issue_silo(ca, "branch-01", root / "silo"),
         foreign_ca=foreign_ca,
         foreign_silo=pki.issue_silo(foreign_ca, "branch-01", root / "foreign-silo"),
