@@ -223,14 +223,16 @@ def check_update(
     max_update_norm: float | None = None,
     max_weight: float | None = None,
     groups: Mapping[str, Sequence[str]] | None = None,
+    unit_weight: bool = False,
 ) -> None:
     """Exactly the planned tensors, all finite, a sane weight, and an update norm within the bound.
 
     Convention shared by the algorithms: tensors named ``delta/<param>`` hold ``weight * (local - global)`` and
-    a scalar ``weight`` (shape (1,)) holds the silo's weight. The weight must be positive (a zero or negative one
-    would shrink or flip the hub's division by the summed weights) and at most ``max_weight`` (the images the silo
-    declared at Join). The update norm is the L2 norm over all ``delta/*`` tensors divided by the weight: the size
-    of the silo's own model change, whatever its weight.
+    a scalar ``weight`` (shape (1,)) holds the silo's weight. Under uniform averaging (``unit_weight``, the
+    plan's ``RoundPlan.unit_weight``) the weight must be exactly 1. Otherwise it must be positive (a zero or
+    negative one would shrink or flip the hub's division by the summed weights) and at most ``max_weight`` (the
+    images the silo declared when it first joined). The update norm is the L2 norm over all ``delta/*`` tensors
+    divided by the weight: the size of the silo's own model change, whatever its weight.
 
     With ``groups`` (``RoundPlan.groups``: group -> names, a partition of ``expected``) a result may hold any
     non-empty set of WHOLE groups (a site uploads only the models it trained), and the weight and norm rules apply
@@ -263,14 +265,16 @@ def check_update(
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise _bad("non_finite", f"tensor {name} holds NaN or infinite values")
     for prefix in prefixes:
-        _check_weight_and_norm(tensors, prefix, max_update_norm, max_weight)
+        _check_weight_and_norm(tensors, prefix, max_update_norm, max_weight, unit_weight)
 
 
 def _check_weight_and_norm(tensors: Mapping[str, torch.Tensor], prefix: str, max_update_norm: float | None,
-                           max_weight: float | None) -> None:
+                           max_weight: float | None, unit_weight: bool) -> None:
     weight = 1.0
     if f"{prefix}weight" in tensors and tensors[f"{prefix}weight"].numel() == 1:
         weight = float(tensors[f"{prefix}weight"].double().item())
+        if unit_weight and weight != 1.0:
+            raise _bad("bad_weight", f"weight must be exactly 1 in this run (uniform averaging), got {weight:g}")
         if weight <= 0:
             raise _bad("bad_weight", f"weight must be positive, got {weight:g}")
         if max_weight is not None and weight > max_weight:
@@ -282,3 +286,95 @@ def _check_weight_and_norm(tensors: Mapping[str, torch.Tensor], prefix: str, max
         if not norm <= max_update_norm:  # also catches a norm that overflowed to inf
             raise _bad("update_norm", f"update norm {norm:.4g} exceeds this hub's bound of {max_update_norm:g} "
                                       "(security.max_update_norm)")
+
+
+# ------------------------------------------------------------------------------------- weights across a round
+
+
+def weight_cap(declared: Mapping[str, int], factor: float) -> dict[str, float]:
+    """The most weight each sampled silo may carry in a round: its own declared images, and never more than
+    ``factor`` times the median declared by the round's sampled silos, so that no single silo can own the mean."""
+    if not declared:
+        return {}
+    counts = sorted(max(1, n) for n in declared.values())
+    mid = len(counts) // 2
+    median = counts[mid] if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2
+    return {s: float(min(max(1, n), factor * median)) for s, n in declared.items()}
+
+
+def cap_weight(tensors: dict[str, torch.Tensor], cap: float, prefixes: Sequence[str] = ("",)) -> float:
+    """Scale ``<prefix>weight`` and ``<prefix>delta/*`` down together so the weight is at most ``cap``: the silo's
+    model change is kept, only its share of the mean shrinks. Returns the smallest factor applied (1: untouched)."""
+    smallest = 1.0
+    for prefix in prefixes:
+        w = tensors.get(f"{prefix}weight")
+        if w is None or w.numel() != 1 or float(w.double().item()) <= cap:
+            continue
+        factor = cap / float(w.double().item())
+        for name in list(tensors):
+            if name == f"{prefix}weight" or name.startswith(f"{prefix}delta/"):
+                tensors[name] = (tensors[name].double() * factor).to(tensors[name].dtype)
+        tensors[f"{prefix}weight"] = torch.tensor([cap], dtype=w.dtype)
+        smallest = min(smallest, factor)
+    return smallest
+
+
+def weight_prefixes(names: Iterable[str]) -> list[str]:
+    """The prefixes under which a result carries a weight: "" for ``weight``, "S/" for ``S/weight``, ..."""
+    return sorted(n[: -len("weight")] for n in names if n == "weight" or n.endswith("/weight"))
+
+
+def check_aggregate(
+    summed: Mapping[str, torch.Tensor],
+    contributors: int,
+    *,
+    unit_weight: bool,
+    max_weight_sum: float,
+    max_update_norm: float | None,
+    tolerance: Callable[[str], float],
+) -> None:
+    """What the hub can still check when it only sees a round's SUM (secure aggregation).
+
+    For each weight (``weight``, or ``<group>/weight``): the sum lies in [0, ``max_weight_sum``]; under uniform
+    averaging it is a whole number of silos (each sends 1, or 0 when it skips), at most ``contributors``. With
+    ``max_update_norm`` the summed update obeys the bound every honest silo obeys: ||sum of deltas|| <= bound *
+    sum of weights. ``tolerance(name)`` is the largest error fixed-point quantization may add to one element of
+    the named sum. Raises Invalid (reason ``bad_aggregate``) naming the rule that failed.
+    """
+    for prefix in weight_prefixes(summed):
+        name = f"{prefix}weight"
+        total = float(summed[name].double().sum())
+        tol = tolerance(name)
+        if not math.isfinite(total) or total < -tol or total > max_weight_sum + tol:
+            raise Invalid("INVALID_ARGUMENT", "bad_aggregate",
+                          f"the summed {name} is {total:.6g}, outside [0, {max_weight_sum:g}] for {contributors} "
+                          "silos: a silo sent a weight it may not send")
+        if unit_weight and (abs(total - round(total)) > tol or round(total) > contributors):
+            raise Invalid("INVALID_ARGUMENT", "bad_aggregate",
+                          f"the summed {name} is {total:.6g}; with uniform averaging it must be a whole number of "
+                          f"silos from 0 to {contributors}: a silo sent a weight other than 1")
+        if max_update_norm is not None:
+            deltas = [n for n in summed if n.startswith(f"{prefix}delta/")]
+            squares = sum(float(summed[n].double().square().sum()) for n in deltas)
+            slack = math.sqrt(sum(summed[n].numel() * tolerance(n) ** 2 for n in deltas))
+            norm, bound = math.sqrt(squares), max_update_norm * max(total, 0.0)
+            if not norm <= bound + slack:
+                raise Invalid("INVALID_ARGUMENT", "bad_aggregate",
+                              f"the summed {prefix}delta has norm {norm:.6g}, above {max_update_norm:g} x the summed "
+                              f"weight {total:.6g} (security.max_update_norm): a silo sent a larger update")
+
+
+# -------------------------------------------------------------------------------------------- peer text in logs
+
+MAX_PEER_TEXT = 200
+
+
+def printable(text: Any, limit: int = MAX_PEER_TEXT) -> str:
+    """A peer-supplied string made safe to log or echo: anything but printable ASCII escaped (so a newline cannot
+    start a forged log line) and cut to ``limit`` characters."""
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text[: limit * 4]).decode("utf-8", errors="replace")
+    text = str(text)
+    cut = len(text) > limit
+    safe = "".join(c if " " <= c <= "~" else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+    return safe[:limit] + ("..." if cut else "")

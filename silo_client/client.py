@@ -49,6 +49,7 @@ from silo_core.training import resolve_device
 
 VERSION = "0.1.0"
 HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
+NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
 
 
 class SiloError(RuntimeError):
@@ -378,9 +379,11 @@ class SiloClient:
                 if not joined:
                     self.run_work(self._join)
                     joined = True
+                # The hub holds the call until it has work for this silo (up to its server.long_poll_s, and a second
+                # short of this deadline), so an idle silo costs it almost nothing.
                 task = self.stub.NextTask(silo_pb2.NextTaskRequest(
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
-                ), timeout=60)
+                ), timeout=NEXT_TASK_TIMEOUT_S)
                 backoff, unreachable_since = 1.0, None
                 self.metrics.contact()
                 if task.kind == silo_pb2.Task.DONE:

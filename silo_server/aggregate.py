@@ -31,7 +31,9 @@ class RunningSum:
             self.contributors += 1
 
     def result(self) -> dict[str, torch.Tensor]:
-        return {k: (v.to(torch.float32) if v.is_floating_point() else v) for k, v in self.tensors.items()}
+        """The sums, still in float64: the algorithm divides them by the summed weight, and a float32 sum would let
+        one large term swallow the others' contributions before that."""
+        return dict(self.tensors)
 
 
 class UploadBudget:

@@ -16,14 +16,12 @@ import grpc
 import numpy as np
 import torch
 from cryptography import x509
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import silo_core
 from security.crl import RevocationList
 from security.gate import PeerGate
 from security.pki import BUNDLE_CA, BUNDLE_CRL, cert_days_left
 from security.tls import ReloadingServerCredentials
-from silo.v1 import silo_pb2_grpc
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
 from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchvision
@@ -38,7 +36,7 @@ from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub
 from silo_server.metrics import HubMetrics
 from silo_server.privacy import HubPrivacy
-from silo_server.servicer import FederationServicer
+from silo_server.servicer import FederationServer, FederationServicer
 
 log = logging.getLogger("silo_server")
 
@@ -101,8 +99,10 @@ class HubApp:
             total_rounds=r.total,
             run_description=self.run_description(),
             silos_per_round=r.silos_per_round,
+            silos_per_round_count=r.silos_per_round_count,
             min_silos=r.min_silos,
             quorum=r.quorum,
+            quorum_silos=r.quorum_silos,
             deadline_s=r.deadline_s,
             max_attempts=r.max_attempts,
             liveness_s=r.liveness_s,
@@ -117,13 +117,14 @@ class HubApp:
             round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
                                    if config.privacy.sample_dp.enabled else None),
         )
+        self.hub.max_weight_factor = config.security.max_weight_factor
         # The best round so far on the validation split; its model is kept in the state dir across restarts.
         self.best = (load_best_round(config.run.state_dir, self.hub.run_id) if validation is not None
                      else BestRound())
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
                                    version=getattr(silo_core, "__version__", "0.1.0"))
                         if config.metrics.enabled else None)
-        self.server: grpc.Server | None = None
+        self.server: FederationServer | None = None
         self.port: int | None = None
 
     def run_description(self) -> dict[str, Any]:
@@ -160,55 +161,72 @@ class HubApp:
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:
         s = self.config.server
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="grpc"),
-            options=[
-                ("grpc.max_receive_message_length", self.config.wire.chunk_bytes + (64 << 10)),
-                ("grpc.max_send_message_length", self.config.wire.chunk_bytes + (64 << 10)),
-            ],
-            maximum_concurrent_rpcs=s.max_workers,
-        )
         # The bundle first: a missing or broken bundle is the likelier mistake, and its error says what to run.
         if not self.insecure_dev_only:
             self.credentials = ReloadingServerCredentials(s.certs, on_load=self._hub_certificate_loaded)
-        silo_pb2_grpc.add_FederationServicer_to_server(
-            FederationServicer(self.hub, s.long_poll_s, self.config.wire.chunk_bytes, self.make_gate(),
-                               on_join=self.metrics.observe_silo_certificate if self.metrics else None),
-            self.server,
+        gate = self.make_gate()
+        if gate.revocations is not None:  # a silo busy training is evicted from its round when it is revoked
+            self.hub.is_revoked = gate.revocations.is_revoked
+        # Threads only for the hub calls that may block (join, download, upload); waiting silos hold none.
+        self.pool = futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="hub-call")
+        servicer = FederationServicer(
+            self.hub, s.long_poll_s, self.config.wire.chunk_bytes, gate,
+            on_join=self.metrics.observe_silo_certificate if self.metrics else None,
+            header_timeout_s=s.upload_header_timeout_s, stream_idle_s=s.upload_idle_s, pool=self.pool,
         )
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server = FederationServer(servicer, options=[
+            ("grpc.max_receive_message_length", self.config.wire.chunk_bytes + (64 << 10)),
+            ("grpc.max_send_message_length", self.config.wire.chunk_bytes + (64 << 10)),
+            # gRPC shares a port with another process by default (SO_REUSEPORT): a second hub, or a restart
+            # while the old hub still runs, would bind "successfully" and split the silos' calls between them.
+            ("grpc.so_reuseport", 0),
+            # A long-poll carries no data for minutes: accept the silos' keepalive pings (every 30 s) meanwhile,
+            # and ping them ourselves so a vanished silo's held call ends.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ])
         if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
             m = self.config.metrics
             metrics_port = self.metrics.serve(m.host, m.port)
             (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
-        if self.insecure_dev_only:
-            # Never anything but loopback: there is no encryption and no proof of identity in this mode.
-            self.port = self._bind(f"127.0.0.1:{s.port}", None)
-        else:
-            self.port = self._bind(f"{s.host}:{s.port}", self.credentials.credentials)
+        port_file = Path(self.config.run.state_dir) / "port"
+        port, picked_before = s.port, False
+        if port == 0 and port_file.is_file():
+            # A restart with server.port 0: running silos keep dialing the port the first start picked, so come back
+            # on that one rather than on a new free port they would never find.
+            port, picked_before = self._picked_port(port_file), True
+        host = "127.0.0.1" if self.insecure_dev_only else s.host  # dev mode: loopback only, no TLS, no identity
+        self.port = self._bind(f"{host}:{port}", None if self.insecure_dev_only else self.credentials.credentials,
+                               port_file if picked_before else None)
         self.server.start()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set("silo.v1.Federation", health_pb2.HealthCheckResponse.SERVING)
-        (Path(self.config.run.state_dir) / "port").write_text(str(self.port))
+        port_file.write_text(str(self.port))
         if self.insecure_dev_only:
             self._warn_insecure(s.host)
         else:
             log.info("hub listening on %s:%d (mutual TLS, certificates from %s)", s.host, self.port, s.certs)
         return self.port
 
-    def _bind(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
-        try:
-            if credentials is None:
-                port = self.server.add_insecure_port(address)
-            else:
-                port = self.server.add_secure_port(address, credentials)
-        except RuntimeError:
-            port = 0
-        if not port:
-            raise OSError(f"cannot listen on {address}: the port is in use or the address is not local; "
-                          f"set server.port in the config to a free port")
-        return port
+    @staticmethod
+    def _picked_port(port_file: Path) -> int:
+        text = port_file.read_text().strip()
+        if not text.isdigit() or not 0 < int(text) <= 65535:
+            raise OSError(f"{port_file} should hold the port this hub picked on its first start (server.port: 0), "
+                          f"but holds {text[:20]!r}; set server.port in the config to the port the silos dial")
+        return int(text)
+
+    def _bind(self, address: str, credentials: grpc.ServerCredentials | None, port_file: Path | None = None) -> int:
+        """Listen on address; `port_file` names where a port picked on an earlier start came from (server.port 0)."""
+        port = self.server.add_port(address, credentials)
+        if port:
+            return port
+        if port_file is not None:
+            raise OSError(f"cannot listen on {address}, the port this hub picked on its first start (server.port: "
+                          f"0, kept in {port_file}) and the one its silos dial: it is taken now; set server.port in "
+                          f"the config explicitly (to a free port, and point the silos at it)")
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not local; "
+                      f"set server.port in the config to a free port")
 
     def make_gate(self) -> PeerGate:
         """Who may call: identity from the verified certificate, checked against the CRL and the allowlist."""
@@ -259,11 +277,17 @@ class HubApp:
         self.hub.stop()
         if self.server is not None:
             self.server.stop(grace)
+            self.pool.shutdown(wait=False, cancel_futures=True)
         if self.metrics is not None:
             self.metrics.close()
 
     def run(self) -> HubState:
         """Serve, run every round, export the model, linger so silos hear that the run is over, stop."""
+        # The checkpoint is loaded and verified before the port opens: a bad state folder stops the hub with one
+        # line before any silo is served from it. A fresh run's initial training still comes after (in hub.run),
+        # while the silos load their images.
+        if self.hub.state is None:
+            self.hub.load_state()
         if self.server is None:
             self.start_server()
 

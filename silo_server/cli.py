@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             config.metrics.port = args.metrics_port
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
         from silo_server.checkpoint import BEST_MODEL
+        from silo_server.privacy import plan_lines
 
         app = HubApp(config, insecure_dev_only=args.insecure_dev_only)
         if args.check:
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model selection: {len(app.validation)} validation images score every round; the best round is "
                   f"kept as {BEST_MODEL}" if app.validation is not None else
                   "model selection: none (no data.validation); the final round's model is exported")
+            for line in plan_lines(config.privacy, config.security.max_update_norm,
+                                   getattr(config.rounds, "silos_per_round_count", None)):
+                print(line)
             resumed = app.hub.load_state()  # verified as a real start would, without training anything
             print(f"checkpoint: resumes after round {resumed.round}" if resumed is not None else
                   f"checkpoint: none in {config.run.state_dir}; the run starts with the hub's initial training")

@@ -77,8 +77,14 @@ class ServerSection(StrictConfig):
                       "state_dir/port); a restart binds that same port again, so running silos find the hub")
     certs: ConfigPath = Field(Path("certs/hub"),
                               description="bundle from `silo-certs issue-hub`: ca.pem cert.pem key.pem")
-    long_poll_s: float = Field(10.0, gt=0, le=300)
-    max_workers: int = Field(256, ge=8, le=10_000, description="gRPC threads; each waiting silo holds one")
+    long_poll_s: float = Field(300.0, gt=0, le=300, description="a silo's NextTask is held until there is work "
+                               "for it, at most this long; a waiting silo holds no thread")
+    max_workers: int = Field(256, ge=8, le=10_000, description="threads for the hub calls that may block (join, "
+                             "download, upload); waiting silos hold none")
+    upload_header_timeout_s: float = Field(10.0, gt=0, le=600, description="an upload that sends no header this "
+                                           "long after it opens is refused (DEADLINE_EXCEEDED)")
+    upload_idle_s: float = Field(60.0, gt=0, le=3600, description="an upload that sends no chunk for this long is "
+                                 "refused (DEADLINE_EXCEEDED)")
     linger_s: float = Field(15.0, ge=0, le=DAY_S,
                             description="keep serving this long after the run so silos learn it ended")
 
@@ -159,7 +165,8 @@ class RoundsSection(StrictConfig):
     )
     deadline_s: float = Field(600.0, gt=0, le=DAY_S, description="a round's time limit; late silos are left out")
     max_attempts: int = Field(5, ge=1, le=1000,
-                              description="a round below quorum is retried this many times, then the hub stops")
+                              description="a failed round is retried without end (1 s to 60 s apart); every this "
+                              "many failures in a row the hub logs an ERROR")
     liveness_s: float = Field(60.0, gt=0, le=DAY_S, description="a silo unheard of for longer is not sampled")
 
     @field_validator("silos_per_round", mode="before")
@@ -207,6 +214,10 @@ class SecuritySection(StrictConfig):
     )
     max_update_norm: float | None = Field(
         None, gt=0, description="refuse an update whose L2 norm (delta tensors / weight) exceeds this (default: no bound)"
+    )
+    max_weight_factor: float = Field(
+        4.0, ge=1.0, le=1e6, description="with sample-count weighting, no silo's weight exceeds this many times the "
+        "median images declared by the round's sampled silos (its weight and delta are scaled down to it)"
     )
 
     @field_validator("allowed_silos")

@@ -8,6 +8,7 @@ Every field a silo sends goes through security.validation before it is used.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ from silo_core.files import write_json_atomic
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum, UploadBudget
 from silo_server.checkpoint import load_latest, save_checkpoint
-from silo_server.privacy import BudgetExhausted, HubPrivacy
+from silo_server.privacy import STAGE_UPLOADS, BudgetExhausted, HubPrivacy, RoundFailed
 
 log = logging.getLogger("silo_server")
 
@@ -46,6 +47,20 @@ class Refusal(Exception):
         self.code, self.reason, self.message = code, reason, message
 
 
+class ChangeCondition(threading.Condition):
+    """The hub's lock and condition variable. notify_all also calls `listeners` (under the lock: they must only
+    schedule work), so the gRPC servicer's long-polls learn of a change without a thread waiting for each silo."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self.listeners: list[Callable[[], None]] = []
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        for listener in self.listeners:
+            listener()
+
+
 @dataclass
 class SiloRecord:
     silo_id: str
@@ -57,6 +72,13 @@ class SiloRecord:
     last_seen: float = field(default_factory=time.time)
     rounds_contributed: int = 0
     ready: bool = True  # False while the silo loads its images (JoinRequest.preparing): not sampled yet
+    # The images the silo declared when it first joined ready: fixed for the run, it bounds the silo's weight (a
+    # re-join may lower it, never raise it).
+    declared_images: int | None = None
+    serial: int | None = None  # the certificate serial of the silo's live session (None: --insecure-dev-only)
+    polling: int = 0  # NextTask calls held open right now: a silo waiting in a long-poll is live
+    # Left a round without reporting (dropped out, aborted, was refused): not sampled again until it polls again.
+    dropped: bool = False
 
 
 @dataclass
@@ -81,6 +103,8 @@ class ActiveTask:
     open: bool = True
     privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/privacy.py)
     accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
+    weight_caps: dict[str, float] = field(default_factory=dict)  # the most weight each sampled silo may carry
+    gone: set[str] = field(default_factory=set)  # sampled silos known to have left the round (revoked, aborted)
     rss_at_open: int | None = None  # hub RSS when the task opened, and its peak until the task closed (Linux)
     rss_peak_collecting: int | None = None
 
@@ -149,8 +173,10 @@ class Hub:
         total_rounds: int,
         run_description: dict[str, Any],
         silos_per_round: float = 1.0,
+        silos_per_round_count: int | None = None,
         min_silos: int = 1,
         quorum: float = 0.5,
+        quorum_silos: int | None = None,
         deadline_s: float = 600.0,
         max_attempts: int = 5,
         liveness_s: float = 60.0,
@@ -168,9 +194,13 @@ class Hub:
         self.algorithm = algorithm
         self.state_dir = Path(state_dir)
         self.total_rounds = total_rounds
+        # Each of sampling and quorum is a fraction, or a count when the count is given (never a value read as
+        # either: rounds.silos_per_round_count and rounds.quorum_silos in hub.yaml).
         self.silos_per_round = silos_per_round
+        self.silos_per_round_count = silos_per_round_count
         self.min_silos = min_silos
         self.quorum = quorum
+        self.quorum_silos = quorum_silos
         self.deadline_s = deadline_s
         self.max_attempts = max_attempts
         self.liveness_s = liveness_s
@@ -187,8 +217,15 @@ class Hub:
         # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
         self.round_hyperparameters = dict(round_hyperparameters or {})
         self.stopped_reason = ""
+        self.failed_attempts = 0  # attempts of the current round that failed in a row
+        self.declared_before: dict[str, int] = {}  # images each silo declared, from the checkpoint
+        # Given a certificate serial, whether the CRL lists it now (HubApp sets it from the gate's CRL).
+        self.is_revoked: Callable[[int], bool] | None = None
+        # Weighted runs: no silo carries more than this many times the median images declared by the round's
+        # sampled silos (security.max_weight_factor).
+        self.max_weight_factor = 4.0
 
-        self.cond = threading.Condition()
+        self.cond = ChangeCondition()
         self.silos: dict[str, SiloRecord] = {}
         self.task: ActiveTask | None = None
         self.phase = "starting"
@@ -217,10 +254,18 @@ class Hub:
 
     # ------------------------------------------------------------------ calls from silos
     def refuse(self, silo_id: str | None, code: str, reason: str, message: str) -> Refusal:
+        # Messages may quote what a silo sent: escaped and cut, so no peer can write a line of its own into the log
+        # or into the status it gets back.
+        message = validation.printable(message, 300)
         with self.cond:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
-        log.warning("refused %s from %s: %s", reason, silo_id or "?", message)
+        log.warning("refused %s from %s: %s", reason, validation.printable(silo_id or "?", 140), message)
         return Refusal(code, reason, message)
+
+    def count_refusal(self, reason: str) -> None:
+        """Count a refusal whose logging the caller does itself (e.g. once per burst, not once per call)."""
+        with self.cond:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def _count(self, name: str, n: int = 1) -> None:
         with self.cond:
@@ -240,11 +285,49 @@ class Hub:
         return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
 
     def evict(self, silo_id: str) -> None:
-        """Stop sampling a silo whose certificate was revoked (its record stays for the model card)."""
+        """A silo whose certificate was revoked: never sampled again (its record stays for the model card), and it
+        leaves the current round at once, so the round goes on with the rest instead of waiting out its deadline."""
         with self.cond:
             record = self.silos.get(silo_id)
             if record is not None:
+                if record.last_seen:
+                    log.warning("silo %s is revoked: it leaves the run%s", silo_id,
+                                " and its round" if self.task and silo_id in self.task.sampled else "")
                 record.last_seen = 0.0
+                record.serial = None
+            self._leave_round(silo_id)
+            self.cond.notify_all()
+
+    def _leave_round(self, silo_id: str) -> None:
+        """Count a sampled silo out of the current round (call under the lock)."""
+        t = self.task
+        if t is None or silo_id not in t.sampled or silo_id in t.gone:
+            return
+        if t.open and silo_id in t.reported:
+            return  # its result is in the sums already
+        t.gone.add(silo_id)
+        if t.privacy is not None:
+            HubPrivacy.drop(t.privacy, silo_id)
+
+    def check_revocations(self) -> None:
+        """Evict every silo of the current round whose certificate the CRL now lists (a silo busy training makes
+        no call the gate could refuse, so the round loop asks)."""
+        if self.is_revoked is None or self.task is None:
+            return
+        for silo_id in sorted(self.task.sampled - self.task.gone):
+            record = self.silos.get(silo_id)
+            if record is not None and record.serial is not None and self.is_revoked(record.serial):
+                self.evict(silo_id)
+
+    def check_session(self, silo_id: str, serial: int | None) -> None:
+        """One live session per identity: a call made with another certificate for the same name than the one the
+        silo's session joined with is refused (see join)."""
+        record = self.silos.get(silo_id)
+        if serial is None or record is None or record.serial is None or record.serial == serial:
+            return
+        raise self.refuse(silo_id, "PERMISSION_DENIED", "second_certificate",
+                          f"silo {silo_id} has a live session under another certificate (serial {record.serial:x}); "
+                          f"one session per silo")
 
     def validate(self, silo_id: str | None, check: Callable[[], Any]) -> Any:
         """Run a security.validation check; its failure becomes a counted, logged Refusal."""
@@ -254,14 +337,38 @@ class Hub:
             raise self.refuse(silo_id, e.code, e.reason, e.message) from None
 
     def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0,
-             preparing: bool = False) -> dict[str, Any]:
+             preparing: bool = False, serial: int | None = None) -> dict[str, Any]:
         """Register a silo and return the run description. A silo that is still `preparing` (loading its images,
-        which needs the run's image size) is known but not sampled until it joins again ready."""
+        which needs the run's image size) is known but not sampled until it joins again ready.
+
+        The images a silo declares the first time it joins ready are fixed for the run: they bound its weight, and a
+        re-join can lower them but never raise them. A second certificate for the same name (`serial`) is refused
+        while the first one's session is live, so it cannot take that silo's place or records."""
         self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
         with self.cond:
             record = self.silos.get(silo_id) or SiloRecord(silo_id)
+            if serial is not None and record.serial is not None and record.serial != serial:
+                if self._is_live(record):
+                    log.warning("a second certificate for silo %s (serial %x) tried to join while the session of "
+                                "serial %x is live: refused; if both are yours, revoke one (`silo-certs issue-silo %s "
+                                "--replace` or `silo-certs revoke`)", silo_id, serial, record.serial, silo_id)
+                    self._count("second_certificate")
+                    raise self.refuse(silo_id, "ALREADY_EXISTS", "second_certificate",
+                                      f"silo {silo_id} already has a live session under another certificate; "
+                                      "one session per silo")
+                log.info("silo %s now joins with certificate serial %x (was %x)", silo_id, serial, record.serial)
+            declared = num_unlabeled + num_labeled
+            if record.declared_images is None and silo_id in self.declared_before:
+                record.declared_images = self.declared_before[silo_id]  # declared before the hub restarted
+            if not preparing:
+                if record.declared_images is not None and declared > record.declared_images:
+                    log.warning("silo %s re-joined declaring %d images; it keeps the %d it declared first (a silo's "
+                                "count is fixed for the run)", silo_id, declared, record.declared_images)
+                record.declared_images = (declared if record.declared_images is None
+                                          else min(declared, record.declared_images))
             record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
             record.device, record.skipped_images = device, skipped_images
+            record.serial = serial if serial is not None else record.serial
             record.last_seen = time.time()
             record.ready = not preparing
             self.silos[silo_id] = record
@@ -284,18 +391,44 @@ class Hub:
                               f"run {run_id or '(none)'} is not this hub's run; call Join again")
 
     def next_task(self, silo_id: str, run_id: str, wait_s: float) -> TaskView:
+        """A long-poll that holds the calling thread (tests, in-process callers). The gRPC servicer holds no thread
+        while a silo waits: it calls start_poll, poll_task on every change (cond.listeners) and end_poll."""
         end = time.time() + wait_s
+        self.start_poll(silo_id, run_id)
+        try:
+            with self.cond:
+                while True:
+                    view = self.poll_task(silo_id)
+                    remaining = end - time.time()
+                    if view.kind != "WAIT" or remaining <= 0 or self.stop_event.is_set():
+                        return view
+                    self.cond.wait(timeout=min(remaining, 1.0))
+        finally:
+            self.end_poll(silo_id)
+
+    def start_poll(self, silo_id: str, run_id: str) -> None:
+        """A silo begins a long-poll: it is live while it waits, and a silo that dropped out of a round may be
+        sampled again now that it asks for work."""
         self.validate(silo_id, lambda: validation.check_id("run_id", run_id))
         with self.cond:
             self._check_run(silo_id, run_id)
-            self._touch(silo_id)
-            while True:
-                view = self._task_for(silo_id)
-                remaining = end - time.time()
-                if view.kind != "WAIT" or remaining <= 0 or self.stop_event.is_set():
-                    self._touch(silo_id)
-                    return view
-                self.cond.wait(timeout=min(remaining, 1.0))
+            record = self._touch(silo_id)
+            record.polling += 1
+            if record.dropped:
+                record.dropped = False
+                self.cond.notify_all()
+
+    def poll_task(self, silo_id: str) -> TaskView:
+        with self.cond:
+            return self._task_for(silo_id)
+
+    def end_poll(self, silo_id: str) -> None:
+        with self.cond:
+            record = self.silos.get(silo_id)
+            if record is not None:
+                record.polling = max(0, record.polling - 1)
+                if record.last_seen:  # a revoked silo stays unheard of
+                    record.last_seen = time.time()
 
     def _task_for(self, silo_id: str) -> TaskView:
         if self.phase in ("done", "failed"):
@@ -350,8 +483,11 @@ class Hub:
             if silo_id in t.reported:
                 raise self.refuse(silo_id, "ALREADY_EXISTS", "duplicate", f"silo {silo_id} already reported round "
                                   f"{t.round}")
-            # A silo's weight counts its images; it cannot exceed what the silo declared when it joined.
-            max_weight = float(max(1, record.num_unlabeled + record.num_labeled))
+
+            # A silo's weight counts its images: never more than it declared when it first joined, and never more
+            # than the round's share cap (its weight is scaled down to that).
+            max_weight = float(max(1, record.declared_images or 0))
+            share_cap = t.weight_caps.get(silo_id, max_weight)
         metrics, skipped, total = h.metrics, h.skipped, h.total_bytes
 
         def still_open() -> bool:
@@ -363,7 +499,14 @@ class Hub:
                 return {}
             tensors = validation.decode_tensors(payload)
             validation.check_update(tensors, t.accepted or t.expected, self.max_update_norm, max_weight,
-                                    t.plan.groups)
+                                    t.plan.groups, unit_weight=t.plan.unit_weight)
+            if not t.plan.unit_weight:
+                factor = validation.cap_weight(tensors, share_cap, validation.weight_prefixes(tensors))
+                if factor < 1.0:
+                    self._count("weight_capped")
+                    log.warning("round %d: silo %s's weight scaled by %.3g to the round's cap of %g (%g x the median "
+                                "declared images, security.max_weight_factor)", t.round, silo_id, factor, share_cap,
+                                self.max_weight_factor)
             if t.privacy is not None:
                 try:
                     HubPrivacy.check_clear_upload(t.privacy, tensors)
@@ -400,8 +543,12 @@ class Hub:
             self.cond.notify_all()
 
     def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
-        """A secure-aggregation stage message (silo_server/privacy.py checks it against the session)."""
-        stage = str(header["secagg_stage"])
+        """A secure-aggregation stage message (silo_server/privacy.py checks it against the session). A message the
+        session cannot use counts its sender out of the session at once, so the stage need not wait for it."""
+        stage = header["secagg_stage"]
+        if stage not in STAGE_UPLOADS:
+            raise self.refuse(silo_id, "INVALID_ARGUMENT", "bad_secagg",
+                              f"unknown secure-aggregation stage {stage!r}; one of {', '.join(STAGE_UPLOADS)}")
         with self.cond:
             self._check_run(silo_id, header.get("run_id", ""))
             self._touch(silo_id)
@@ -430,6 +577,10 @@ class Hub:
                 payload = assembler.finish(str(header.get("sha256", "")))
             except CodecError as err:
                 code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
+                with self.cond:
+                    if self.task is t:
+                        self._leave_round(silo_id)
+                        self.cond.notify_all()
                 raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
             with self.cond:
                 if self.task is not t:
@@ -437,8 +588,14 @@ class Hub:
                 try:
                     HubPrivacy.receive(t.privacy, silo_id, stage, payload)
                 except ProtocolError as err:
-                    code = "ALREADY_EXISTS" if "already sent" in str(err) else "INVALID_ARGUMENT"
-                    raise self.refuse(silo_id, code, "bad_secagg", str(err)) from None
+                    duplicate = "already sent" in str(err)
+                    if not duplicate:  # the first message of a stage stands; a broken one is a dropout
+                        self._leave_round(silo_id)
+                        self.cond.notify_all()
+                    raise self.refuse(silo_id, "ALREADY_EXISTS" if duplicate else "INVALID_ARGUMENT", "bad_secagg",
+                                      str(err)) from None
+                if stage == "abort":
+                    t.gone.add(silo_id)
                 if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
                     t.reported.add(silo_id)
                     self.silos[silo_id].rounds_contributed += 1
@@ -456,18 +613,26 @@ class Hub:
         return self._heard_from(ready=False)
 
     def _heard_from(self, ready: bool) -> list[str]:
-        now = time.time()
-        return sorted(s for s, r in self.silos.items() if r.ready == ready and now - r.last_seen <= self.liveness_s)
+        return sorted(s for s, r in self.silos.items() if r.ready == ready and not r.dropped and self._is_live(r))
+
+    def _is_live(self, record: SiloRecord) -> bool:
+        """Waiting in a long-poll right now, or heard from within liveness_s (a revoked silo never is)."""
+        if not record.last_seen:
+            return False
+        return record.polling > 0 or time.time() - record.last_seen <= self.liveness_s
 
     def _sample_count(self, available: int) -> int:
-        if self.silos_per_round <= 1.0:
-            return max(1, int(self.silos_per_round * available))
-        return min(available, int(self.silos_per_round))
+        if self.silos_per_round_count is not None:
+            return min(available, self.silos_per_round_count)
+        # Rounded first, so that float error cannot cost a silo: 0.29 * 100 is 28.999999999999996.
+        return max(1, int(round(self.silos_per_round * available, 9)))
 
     def _quorum_count(self, sampled: int) -> int:
-        if self.quorum <= 1.0:
-            return max(1, int(-(-self.quorum * sampled // 1)))  # ceil
-        return min(sampled, int(self.quorum))
+        # A count above the silos sampled this round (fewer were live) waits for all of them, never for more.
+        if self.quorum_silos is not None:
+            return min(sampled, self.quorum_silos)
+        # Rounded before the ceiling: 0.55 * 100 is 55.00000000000001, which must need 55 reports, not 56.
+        return max(1, math.ceil(round(self.quorum * sampled, 9)))
 
     def _set_phase(self, phase: str) -> None:
         with self.cond:
@@ -477,29 +642,45 @@ class Hub:
     def _wait_for_silos(self) -> list[str]:
         self._set_phase("waiting_for_silos")
         last_log = 0.0
+        needed = max(self.min_silos, self._fewest_sampled())
         with self.cond:
             while not self.stop_event.is_set():
                 live = self.live_silos()
-                if len(live) >= self.min_silos:
+                if len(live) >= needed:
                     return live
                 if time.time() - last_log > 10:
                     preparing = len(self.preparing_silos())
-                    log.info("waiting for silos: %d ready%s, %d needed to start a round", len(live),
-                             f" ({preparing} more loading their images)" if preparing else "", self.min_silos)
+                    dropped = sum(1 for r in self.silos.values() if r.dropped and self._is_live(r))
+                    log.info("waiting for silos: %d ready%s%s, %d needed to start a round%s", len(live),
+                             f" ({preparing} more loading their images)" if preparing else "",
+                             f" ({dropped} more left the last round and have not asked for work since)" if dropped
+                             else "", needed,
+                             " (secure aggregation's dropout tolerance)" if needed > self.min_silos else "")
                     last_log = time.time()
                 self.cond.wait(timeout=1.0)
         return []
 
+    def load_state(self) -> HubState | None:
+        """Load and verify the latest checkpoint into the hub (silo_server/checkpoint.py says what is checked); None
+        when there is none. HubApp calls this before it opens the port, so that a bad state folder stops the hub
+        before any silo is served from it; CheckpointError says which file and how to recover."""
+        loaded = load_latest(self.state_dir, total_rounds=self.total_rounds, check=self.algorithm.served_model)
+        if loaded is None:
+            return None
+        state, info = loaded
+        self.declared_before = {str(k): int(v) for k, v in (info.get("declared_images") or {}).items()
+                                if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        self.history = info.get("history", [])
+        self.initial = info.get("initial", {})
+        if self.privacy is not None:
+            self.privacy.load_state_dict(info.get("privacy"))
+        log.info("resumed from checkpoint after round %d", state.round)
+        self.state, self.round = state, state.round
+        return state
+
     def resume_or_init(self) -> HubState:
-        loaded = load_latest(self.state_dir)
-        if loaded is not None:
-            state, info = loaded
-            self.history = info.get("history", [])
-            self.initial = info.get("initial", {})
-            log.info("resumed from checkpoint after round %d", state.round)
-            if self.privacy is not None:
-                self.privacy.load_state_dict(info.get("privacy"))
-        else:
+        state = self.state if self.state is not None else self.load_state()  # loaded already when HubApp started
+        if state is None:
             log.info("no checkpoint in %s: initial hub training", self.state_dir)
             state = self.algorithm.init_state()
             self.history = []
@@ -514,7 +695,9 @@ class Hub:
         return state
 
     def _checkpoint(self, state: HubState) -> None:
-        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history, "initial": self.initial}
+        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history, "initial": self.initial,
+                                # fixed for the run: a restarted hub must not let a silo declare more
+                                "declared_images": self._declared_images()}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
         save_checkpoint(self.state_dir, state, info)
@@ -529,12 +712,14 @@ class Hub:
             state, metrics = self.algorithm.finish_round(state, {}, {})
             return self._complete_round(state, metrics, started, None)
         bundle = encode(plan.tensors, half=self.half_precision)
-        for attempt in range(1, self.max_attempts + 1):
+        for attempt in itertools.count(1):
             live = self._wait_for_silos()
             if self.stop_event.is_set():
                 raise InterruptedError("hub stopping")
             rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt)
-            sampled = set(rng.sample(live, self._sample_count(len(live))))
+            # Secure aggregation needs enough silos in a round to survive its documented dropouts.
+            count = max(self._sample_count(len(live)), min(len(live), self._fewest_sampled()))
+            sampled = set(rng.sample(live, count))
             task = ActiveTask(
                 round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
@@ -542,6 +727,9 @@ class Hub:
                 sampled=sampled,
                 deadline=time.time() + self.deadline_s, expected=wire_specs(plan.expected, self.half_precision),
             )
+            with self.cond:
+                task.weight_caps = validation.weight_cap(
+                    {s: self.silos[s].declared_images or 1 for s in sampled}, self.max_weight_factor)
             need = self._quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.silos), need)
@@ -551,32 +739,71 @@ class Hub:
             with self.cond:
                 self.task, self.round, self.phase = task, r, "training"
                 self.cond.notify_all()
-                while len(task.reported) < len(sampled) and time.time() < task.deadline:
+                # Until every sampled silo reported or is known gone (revoked, aborted), or the deadline.
+                while not sampled <= task.reported | task.gone and time.time() < task.deadline:
                     if self.stop_event.is_set():
                         raise InterruptedError("hub stopping")
                     self.cond.wait(timeout=0.5)
+                    self.check_revocations()
                 task.open = False
                 self.phase = "aggregating"
             task.rss_peak_collecting = self.rss_meter.peak()
-            if self.privacy is not None:
-                outcome = self.privacy.complete(self, task, need)
-                if outcome is not None:
-                    summed, summed_metrics, privacy_metrics = outcome
+            try:
+                if self.privacy is not None:
+                    summed, summed_metrics, privacy_metrics = self.privacy.complete(self, task, need)
                     state, metrics = self.algorithm.finish_round(state, summed, summed_metrics)
-                    return self._complete_round(state, {**metrics, **privacy_metrics}, task.started, task)
-            elif len(task.reported) >= need:
-                summed = task.sums.result()
-                aggregation_started = time.time()
-                state, metrics = self.algorithm.finish_round(state, summed, task.sums.metrics)
-                metrics = {**metrics, "aggregation_seconds": time.time() - aggregation_started}
-                return self._complete_round(state, metrics, task.started, task)
-            log.warning("round %d attempt %d: %d of %d sampled silos reported, below quorum %d; retrying the round",
-                        r, attempt, len(task.reported), len(sampled), need)
+                    metrics = {**metrics, **privacy_metrics}
+                else:
+                    if len(task.reported) < need:
+                        raise RoundFailed(f"{len(task.reported)} of {len(sampled)} sampled silos reported, below "
+                                          f"quorum {need}")
+                    aggregation_started = time.time()
+                    state, metrics = self.algorithm.finish_round(state, task.sums.result(), task.sums.metrics)
+                    metrics = {**metrics, "aggregation_seconds": time.time() - aggregation_started}
+            except RoundFailed as failed:
+                self._round_failed(task, str(failed))
+                continue
+            self._mark_dropped(task)
+            return self._complete_round(state, metrics, task.started, task)
+        raise AssertionError("unreachable")
+
+    def _declared_images(self) -> dict[str, int]:
+        with self.cond:
+            declared = dict(self.declared_before)
+            declared.update({s: r.declared_images for s, r in self.silos.items() if r.declared_images is not None})
+            return declared
+
+    def _fewest_sampled(self) -> int:
+        return self.privacy.fewest_sampled() if self.privacy is not None else 1
+
+    def _mark_dropped(self, task: ActiveTask) -> None:
+        """Sampled silos that did not report are not sampled again until they poll again."""
+        with self.cond:
+            left = task.sampled - (task.reported - task.gone)
+            if task.privacy is not None:
+                left |= HubPrivacy.dropouts(task.privacy)  # reported their keys, then fell silent
+            for silo_id in left:
+                record = self.silos.get(silo_id)
+                if record is not None:
+                    record.dropped = True
+
+    def _round_failed(self, task: ActiveTask, reason: str) -> None:
+        """Silos failing a round never stop the hub: it logs why, counts it and retries after a growing pause."""
+        self._mark_dropped(task)
+        with self.cond:
+            self.task = None
+            self.failed_attempts += 1
+            failures = self.failed_attempts
+        self._count("rounds_failed")
+        if "below quorum" in reason:
             self._count("below_quorum")
-            with self.cond:
-                self.task = None
-        raise RuntimeError(f"round {r} failed to reach quorum in {self.max_attempts} attempts; "
-                           f"check that enough silos are connected (rounds.min_silos, rounds.quorum)")
+        pause = min(60.0, 2.0 ** (failures - 1))
+        log.warning("round %d attempt %d failed: %s; retrying in %.0f s", task.round, task.attempt, reason, pause)
+        if failures % self.max_attempts == 0:
+            log.error("round %d has failed %d times in a row (last: %s); the hub keeps retrying: check that enough "
+                      "silos are connected and healthy (rounds.min_silos, rounds.quorum, the silos' logs)",
+                      task.round, failures, reason)
+        self.stop_event.wait(pause)
 
     def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
                         task: ActiveTask | None) -> HubState:
@@ -591,7 +818,7 @@ class Hub:
             # the number of silos); the process peak above also counts start-up, evaluation and fine-tuning.
             entry["collecting_rss_growth_bytes"] = task.rss_peak_collecting - task.rss_at_open
         if task is not None:
-            reporters = len(task.reported)
+            reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
             entry.update({
                 "silos_sampled": len(task.sampled),
                 "silos_reported": reporters,
@@ -608,6 +835,7 @@ class Hub:
                 # the round's wall time.
                 entry["silo_train_seconds"] = task.sums.metrics["train_seconds"] / reporters
         self.history.append(entry)
+        self.failed_attempts = 0
         self._checkpoint(state)
         with self.cond:
             self.task = None

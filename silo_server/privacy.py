@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
+from security import validation
 from security.dp import (
     UNCLIPPED,
     BudgetExhausted,
@@ -37,13 +38,19 @@ from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggPar
 from security.secagg import messages as msg
 from security.secagg.params import QuantizationRule
 from security.secagg.quantize import rule_for
+from security.validation import printable
 from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig
 from silo_core.tensors import TensorSpec
 
 log = logging.getLogger("silo_server")
 
-__all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "RoundAbandoned", "RoundPrivacy"]
+__all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "RoundAbandoned", "RoundFailed", "RoundPrivacy"]
+
+
+class RoundFailed(Exception):
+    """A round attempt that cannot be applied (below quorum, secure aggregation abandoned, an aggregate that breaks
+    the bounds): the hub logs the message as the cause and retries the round."""
 
 STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "unmask", "abort")
 
@@ -146,6 +153,20 @@ class HubPrivacy:
                                   f"would exceed the budget {self.dp.config.epsilon_budget}")
 
     # ------------------------------------------------------------------ during the round
+    def fewest_sampled(self) -> int:
+        """Secure aggregation: the fewest silos a round may sample and still survive `dropouts` (1 without it)."""
+        return self.secagg.fewest_silos() if self.secagg is not None else 1
+
+    @staticmethod
+    def drop(rp: RoundPrivacy, silo_id: str) -> None:
+        """A silo left the round (revoked, or sent a message the session cannot use): stop waiting for it."""
+        if rp.session is not None:
+            rp.session.drop(silo_id)
+
+    @staticmethod
+    def dropouts(rp: RoundPrivacy) -> set[str]:
+        return rp.session.dropouts() if rp.session is not None else set()
+
     @staticmethod
     def view(rp: RoundPrivacy, silo_id: str) -> tuple[str, bytes] | None:
         if rp.session is None or silo_id in rp.answered or silo_id in rp.session.gone:
@@ -181,14 +202,15 @@ class HubPrivacy:
         if s is None:
             raise ProtocolError("this round does not use secure aggregation")
         if stage == "abort":
-            reason = payload.decode(errors="replace")[:300]
+            reason = printable(payload, 200)  # the silo's words: escaped and cut before they reach the log
             log.warning("secure aggregation: silo %s gave up on session %s: %s", silo_id, s.session, reason)
             s.drop(silo_id)
             return
         if stage == "advertise_keys":
             s.receive_keys(silo_id, payload)
         elif stage != rp.outbox_stage or silo_id not in rp.outbox:
-            raise ProtocolError(f"stage {stage} is not open for silo {silo_id} (current: {rp.outbox_stage or s.stage})")
+            raise ProtocolError(f"stage {printable(stage, 32)} is not open for silo {silo_id} (current: "
+                                f"{rp.outbox_stage or s.stage})")
         elif stage == "share_keys":
             s.receive_shares(silo_id, payload)
         elif stage == "masked_input":
@@ -196,26 +218,28 @@ class HubPrivacy:
         elif stage == "unmask":
             s.receive_unmask(silo_id, payload)
         else:
-            raise ProtocolError(f"unknown secure-aggregation stage {stage!r}")
+            raise ProtocolError(f"unknown secure-aggregation stage {printable(stage, 32)!r}")
         if stage != "advertise_keys":
             rp.answered.add(silo_id)
 
     # ------------------------------------------------------------------ after training
     def complete(self, hub: Any, task: Any, need: int
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]] | None:
-        """The round's usable sums, summed metrics and privacy metrics; None if the round must be retried."""
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
+        """The round's usable sums, summed metrics and privacy metrics; RoundFailed (naming the cause) if the round
+        must be retried."""
         rp: RoundPrivacy = task.privacy
         extra: dict[str, float] = {}
         if rp.session is not None:
             if len(task.reported) < need:
-                return None
+                raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos finished training, "
+                                  f"below quorum {need}")
             try:
                 result = self._drive(hub, task)
             except RoundAbandoned as err:
-                log.warning("round %d attempt %d: %s", task.round, task.attempt, err)
-                return None
-            summed = {k: v.to(torch.float32) for k, v in result.sums.items()}
+                raise RoundFailed(str(err)) from None
+            summed = dict(result.sums)
             contributors = len(result.contributors)
+            self._check_sum(hub, task, summed, result.contributors)
             metrics: dict[str, float] = {}
             extra.update({f"secagg_{k}": float(v) for k, v in result.stats.items()})
             extra["secagg_contributors"] = float(contributors)
@@ -224,7 +248,8 @@ class HubPrivacy:
                             ", ".join(result.suspects))
         else:
             if len(task.reported) < need:
-                return None
+                raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos reported, below "
+                                  f"quorum {need}")
             summed, metrics, contributors = task.sums.result(), dict(task.sums.metrics), task.sums.contributors
         if self.dp is not None:
             if contributors < 1:
@@ -237,6 +262,29 @@ class HubPrivacy:
                          "rate %.3f, %d rounds charged)", task.round, dp_metrics["dp_epsilon"], self.dp.config.delta,
                          self.dp.config.noise_multiplier, dp_metrics["dp_sample_rate"], self.dp.rounds)
         return summed, metrics, extra
+
+    def _check_sum(self, hub: Any, task: Any, summed: dict[str, torch.Tensor], contributors: list[str]) -> None:
+        """Under secure aggregation the hub sees no single update, so it checks what the sum allows: the summed
+        weights within what the contributors may send (a whole number of silos under uniform averaging) and the
+        summed update within the norm bound (without DP noise, which would drown the check). A sum that fails is
+        refused: the round is retried, and the refusal logged and counted."""
+        rules = task.privacy.session.rules
+        n = len(contributors)
+
+        def tolerance(name: str) -> float:  # stochastic rounding: under one quantization step per silo and element
+            rule = rule_for(rules, name)
+            return n * 2 * rule.clip / (2**rule.bits - 1) + 1e-6
+
+        caps = getattr(task, "weight_caps", {})
+        unit = bool(task.plan.unit_weight)
+        max_weight_sum = float(n) if unit else sum(caps.get(s, 1.0) for s in contributors)
+        bound = hub.max_update_norm if self.dp is None else None
+        try:
+            validation.check_aggregate({k: v for k, v in summed.items() if k != UNCLIPPED}, n, unit_weight=unit,
+                                       max_weight_sum=max_weight_sum, max_update_norm=bound, tolerance=tolerance)
+        except validation.Invalid as err:
+            hub.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
+            raise RoundFailed(f"the securely aggregated sum was refused: {err.message}") from None
 
     def _drive(self, hub: Any, task: Any):
         """Close advertise_keys, then run share_keys, masked_input and unmask, each until every silo answered or
@@ -281,6 +329,37 @@ class HubPrivacy:
                         "dp_noise_multiplier": self.dp.config.noise_multiplier,
                         "dp_epsilon_budget": self.dp.config.epsilon_budget})
         return out
+
+
+def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: int | None = None) -> list[str]:
+    """What `silo-server --check` says about privacy and the bounds it can enforce: the secure-aggregation plan
+    (how many silos a round samples, k, t, and the dropouts it survives) and, in one line, any per-silo bound the
+    hub cannot enforce with these settings."""
+    lines = []
+    sa, dp = section.secure_aggregation, section.dp
+    if not sa.enabled:
+        lines.append("secure aggregation: off (the hub sees each silo's update and checks each one)")
+    else:
+        fewest = sa.fewest_silos()
+        shape = sa.plan(max(fewest, sampled or 0))
+        lines.append(f"secure aggregation: rounds sample at least {fewest} silos to survive {sa.dropouts} dropout(s) "
+                     f"(privacy.secure_aggregation.dropouts); with {shape.sampled} sampled: {shape.neighbours} "
+                     f"neighbours, threshold {shape.threshold}, survives {shape.survives}")
+        if max_update_norm is not None and not dp.enabled:
+            lines.append(f"bound not enforced per silo: security.max_update_norm ({max_update_norm:g}) cannot be "
+                         "checked on one silo's masked update; the hub checks only the round's sum (<= the bound x "
+                         "the summed weight); enable privacy.dp to clip every update at the silo")
+        elif max_update_norm is not None:
+            lines.append(f"bound not enforced: security.max_update_norm ({max_update_norm:g}) is not checked under "
+                         "secure aggregation with DP noise (the noise hides it); the silos clip to "
+                         f"privacy.dp.clip_norm ({dp.clip_norm:g}), which the hub cannot verify either")
+        else:
+            lines.append("bound not enforced per silo: without security.max_update_norm a silo's masked update is "
+                         "bounded only by the quantization range; the summed weight is still checked")
+    if dp.enabled:
+        lines.append(f"differential privacy: noise multiplier {dp.noise_multiplier:g}, clip {dp.clip_norm:g}, "
+                     f"delta {dp.delta:g}, epsilon budget {dp.epsilon_budget if dp.epsilon_budget else 'none'}")
+    return lines
 
 
 def _covered(rules, name: str) -> bool:

@@ -1,25 +1,47 @@
 """The gRPC face of the hub: identity from the verified client certificate, messages in, Refusals out as statuses.
 
-Every call first passes the PeerGate (security/gate.py: certificate, CRL, expiry, allowlist); every field is then
-validated (security/validation.py) before the hub acts on it.
+Every call first passes the PeerGate (security/gate.py: certificate, CRL, expiry, allowlist), then the silo's
+per-identity call limits (CallLimits): no silo may hold more than one call of each kind at a time, so one
+certificate cannot take the capacity every other silo needs. Every field is then validated
+(security/validation.py) before the hub acts on it.
+
+The server runs on grpc.aio in a thread of its own (FederationServer): a silo waiting in a long-poll is a
+suspended coroutine, not a parked thread, so the hub can hold every idle silo's NextTask until there is work for
+it. The hub core stays plain blocking Python; calls that may block (Join, Download, Upload) run on a thread pool.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
-from collections.abc import Callable, Iterator
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 
 from security import validation
-from security.gate import AccessDenied, PeerGate
+from security.gate import AccessDenied, Peer, PeerGate
 from security.tls import peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Hub, Refusal
 
+log = logging.getLogger("silo_server")
+
 _KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo_pb2.Task.DONE,
           "SECAGG": silo_pb2.Task.SECAGG}
+
+# Calls one silo may have in flight at once, by method. A silo's own client never needs more than one at a time.
+CALLS_PER_SILO = {"Join": 1, "NextTask": 1, "Download": 1, "Upload": 1, "Health": 1}
+MAX_CALLS_PER_SILO = 3  # of all kinds together
+HEADER_TIMEOUT_S = 10.0  # an upload must send its header this soon after it opens
+STREAM_IDLE_S = 60.0  # and never go longer than this between two chunks
 
 
 def run_description_message(desc: dict) -> silo_pb2.RunDescription:
@@ -40,104 +62,323 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
     )
 
 
+class CallLimits:
+    """Calls in flight per silo, capped per method and in all. Excess calls are refused at once (the caller
+    learns RESOURCE_EXHAUSTED and backs off), counted per silo, and logged once per burst: at most one WARNING a
+    silo per `warn_every_s`, with the count refused since the last one."""
+
+    def __init__(self, per_method: dict[str, int] | None = None, per_silo: int = MAX_CALLS_PER_SILO,
+                 warn_every_s: float = 60.0):
+        self.per_method = dict(CALLS_PER_SILO if per_method is None else per_method)
+        self.per_silo = per_silo
+        self.warn_every_s = warn_every_s
+        self.in_flight: dict[str, dict[str, int]] = {}
+        self.refused: dict[str, int] = {}  # silo -> calls refused since the hub started
+        self._unreported: dict[str, int] = {}
+        self._warned_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, silo_id: str, method: str) -> str | None:
+        """Take a slot; None if granted, else the reason it is not."""
+        with self._lock:
+            calls = self.in_flight.setdefault(silo_id, {})
+            if calls.get(method, 0) >= self.per_method.get(method, 1):
+                reason = f"{method}: {self.per_method.get(method, 1)} at a time per silo"
+            elif sum(calls.values()) >= self.per_silo:
+                reason = f"{self.per_silo} calls at a time per silo"
+            else:
+                calls[method] = calls.get(method, 0) + 1
+                return None
+            self.refused[silo_id] = self.refused.get(silo_id, 0) + 1
+            self._unreported[silo_id] = self._unreported.get(silo_id, 0) + 1
+            now = time.monotonic()
+            if now - self._warned_at.get(silo_id, -1e9) >= self.warn_every_s:
+                log.warning("silo %s has more calls open than allowed (%s): %d refused since the last warning; "
+                            "further refusals in the next %.0f s are counted, not logged", silo_id, reason,
+                            self._unreported.pop(silo_id), self.warn_every_s)
+                self._warned_at[silo_id] = now
+            return reason
+
+    def release(self, silo_id: str, method: str) -> None:
+        with self._lock:
+            calls = self.in_flight.get(silo_id, {})
+            calls[method] = max(0, calls.get(method, 0) - 1)
+            if not any(calls.values()):
+                self.in_flight.pop(silo_id, None)
+
+
+class _Slot:
+    """A per-silo call slot held for the duration of a call (async context manager)."""
+
+    def __init__(self, servicer: FederationServicer, context: Any, method: str, check_session: bool = True):
+        self.servicer, self.context, self.method, self.check_session = servicer, context, method, check_session
+        self.peer: Peer | None = None
+
+    async def __aenter__(self) -> Peer:
+        s = self.servicer
+        peer = await s._admit(self.context)
+        if self.check_session:
+            try:
+                s.hub.check_session(peer.silo_id, peer.serial)
+            except Refusal as r:
+                await s._abort(self.context, r)
+        refused = s.limits.acquire(peer.silo_id, self.method)
+        if refused is not None:
+            s.hub.count_refusal("too_many_calls")
+            await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"too many calls open from silo {peer.silo_id} ({refused}); wait for the open "
+                                     "one to finish")
+        self.peer = peer
+        return peer
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.servicer.limits.release(self.peer.silo_id, self.method)
+
+
 class FederationServicer(silo_pb2_grpc.FederationServicer):
     def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None,
-                 on_join: Callable[[str, bytes | None], None] | None = None):
+                 on_join: Callable[[str, bytes | None], None] | None = None, *,
+                 limits: CallLimits | None = None, header_timeout_s: float = HEADER_TIMEOUT_S,
+                 stream_idle_s: float = STREAM_IDLE_S, pool: concurrent.futures.Executor | None = None):
         self.hub = hub
         self.long_poll_s = long_poll_s
         self.chunk_bytes = chunk_bytes
         self.gate = gate or PeerGate()
         self.on_join = on_join  # (silo id, its verified certificate PEM): e.g. metrics of certificate expiry
+        self.limits = limits or CallLimits()
+        self.header_timeout_s = header_timeout_s
+        self.stream_idle_s = stream_idle_s
+        self.pool = pool  # blocking hub calls run here (None: the loop's default executor)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Future | None = None
 
-    def _identity(self, context: grpc.ServicerContext) -> str:
+    # ------------------------------------------------------------------ plumbing
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to the server's event loop: every change in the hub (hub.cond.notify_all) wakes the long-polls."""
+        self._loop = loop
+        self._changed = loop.create_future()
+        self.hub.cond.listeners.append(lambda: loop.call_soon_threadsafe(self._wake))
+
+    def _wake(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+        self._changed = self._loop.create_future()
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> Peer:
         try:
             peer = self.gate.admit(context)
         except AccessDenied as denied:
             if denied.reason == "revoked" and denied.silo_id:
-                self.hub.evict(denied.silo_id)  # never sampled again
+                self.hub.evict(denied.silo_id)  # never sampled again, and out of its round at once
             who = denied.silo_id or f"unidentified peer {context.peer()}"
             self.hub.refuse(who, denied.code, denied.reason, denied.message)
-            context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
+            await context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
         if peer.not_after is not None:
             self.hub.cert_not_after[peer.silo_id] = peer.not_after
-        return peer.silo_id
+        return peer
 
     @staticmethod
-    def _abort(context: grpc.ServicerContext, refusal: Refusal):
-        context.abort(getattr(grpc.StatusCode, refusal.code), refusal.message)
+    async def _abort(context: grpc.aio.ServicerContext, refusal: Refusal) -> None:
+        await context.abort(getattr(grpc.StatusCode, refusal.code), refusal.message)
 
-    def Join(self, request, context):
-        silo_id = self._identity(context)
+    # ------------------------------------------------------------------ calls
+    async def Join(self, request, context):
+        async with _Slot(self, context, "Join", check_session=False) as peer:
+            silo_id = peer.silo_id
+            try:
+                # The fields the hub core does not see are checked here; the rest in Hub.join.
+                self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
+                                                                                request.capabilities))
+                desc = await self._run(lambda: self.hub.join(
+                    silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
+                    int(request.skipped_images), preparing=bool(request.preparing), serial=peer.serial))
+            except Refusal as r:
+                await self._abort(context, r)
+            if self.on_join is not None:
+                self.on_join(silo_id, peer_certificate(context))
+            return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
+
+    async def NextTask(self, request, context):
+        """Held until there is something for this silo (or the long-poll cap): an idle silo costs the hub one call
+        per long_poll_s and no thread while it waits."""
+        async with _Slot(self, context, "NextTask") as peer:
+            silo_id = peer.silo_id
+            wait = self.long_poll_s
+            remaining = context.time_remaining()
+            if remaining is not None:
+                wait = max(0.0, min(wait, remaining - 1.0))
+            try:
+                self.hub.start_poll(silo_id, request.run_id)
+            except Refusal as r:
+                await self._abort(context, r)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + wait
+            try:
+                while True:
+                    changed = self._changed
+                    view = self.hub.poll_task(silo_id)
+                    left = end - loop.time()
+                    if view.kind != "WAIT" or left <= 0 or self.hub.stop_event.is_set() or changed is None:
+                        break
+                    try:
+                        await asyncio.wait_for(asyncio.shield(changed), left)
+                    except TimeoutError:
+                        pass
+            finally:
+                self.hub.end_poll(silo_id)
+            return silo_pb2.Task(
+                kind=_KINDS[view.kind],
+                run_id=self.hub.run_id,
+                round=view.round,
+                task_id=view.task_id,
+                bundle_bytes=view.bundle_bytes,
+                bundle_sha256=view.bundle_sha256,
+                hyperparameters_json=view.hyperparameters_json,
+                class_thresholds=view.class_thresholds,
+                expected=[silo_pb2.TensorSpec(name=n, shape=list(s.shape), dtype=s.dtype)
+                          for n, s in view.expected.items()],
+                retry_after_s=view.retry_after_s,
+                message=view.message,
+                privacy_json=view.privacy_json,
+                secagg_stage=view.secagg_stage,
+                secagg_payload=view.secagg_payload,
+            )
+
+    async def Download(self, request, context) -> AsyncIterator[silo_pb2.Chunk]:
+        async with _Slot(self, context, "Download") as peer:
+            silo_id = peer.silo_id
+            try:
+                bundle = await self._run(self.hub.download, silo_id, request.run_id, request.task_id)
+            except Refusal as r:
+                await self._abort(context, r)
+            for offset, data in iter_chunks(bundle, self.chunk_bytes):
+                yield silo_pb2.Chunk(offset=offset, data=data)
+
+    async def Upload(self, request_iterator, context):
+        async with _Slot(self, context, "Upload") as peer:
+            silo_id = peer.silo_id
+            messages = request_iterator.__aiter__()
+
+            async def next_message():
+                try:
+                    return await messages.__anext__()
+                except StopAsyncIteration:
+                    return None
+
+            try:
+                first = await asyncio.wait_for(next_message(), self.header_timeout_s)
+            except TimeoutError:
+                r = self.hub.refuse(silo_id, "DEADLINE_EXCEEDED", "stream_idle",
+                                    f"no upload header within {self.header_timeout_s:g} s of opening the upload")
+                await self._abort(context, r)
+            if first is None or first.WhichOneof("part") != "header":
+                r = self.hub.refuse(silo_id, "INVALID_ARGUMENT", "no_header", "upload must start with an UploadHeader")
+                await self._abort(context, r)
+            h = first.header
+            header = {
+                "run_id": h.run_id, "task_id": h.task_id, "round": h.round, "total_bytes": h.total_bytes,
+                "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics), "secagg_stage": h.secagg_stage,
+            }
+            loop = asyncio.get_running_loop()
+            idle_s = self.stream_idle_s
+
+            def chunks():  # runs on the pool thread that checks the upload; each chunk is awaited on the loop
+                while True:
+                    future = asyncio.run_coroutine_threadsafe(next_message(), loop)
+                    try:
+                        message = future.result(timeout=idle_s)
+                    except concurrent.futures.TimeoutError:
+                        future.cancel()
+                        raise validation.Invalid("DEADLINE_EXCEEDED", "stream_idle",
+                                                 f"no chunk for {idle_s:g} s: an upload must keep sending") from None
+                    if message is None:
+                        return
+                    if message.WhichOneof("part") != "chunk":
+                        # Raised inside the hub's stream check, so it is counted and logged like any refusal.
+                        raise validation.Invalid("INVALID_ARGUMENT", "bad_stream",
+                                                 "only chunks may follow the upload header")
+                    yield message.chunk.offset, message.chunk.data
+
+            def upload() -> None:
+                try:
+                    self.hub.upload(silo_id, header, chunks())
+                except validation.Invalid as e:  # from the chunk stream, outside the hub's own checks
+                    raise self.hub.refuse(silo_id, e.code, e.reason, e.message) from None
+
+            try:
+                await self._run(upload)
+            except Refusal as r:
+                await self._abort(context, r)
+            return silo_pb2.UploadReply(accepted=True, message="accepted")
+
+
+class GatedHealth(HealthServicer):
+    """grpc.health.v1 behind the same gate as the federation: only a valid, unrevoked silo certificate learns
+    whether the hub serves (and it costs that silo one of its call slots while it asks)."""
+
+    def __init__(self, servicer: FederationServicer):
+        super().__init__()
+        self.servicer = servicer
+
+    async def Check(self, request, context):
+        async with _Slot(self.servicer, context, "Health", check_session=False):
+            return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch is not served; poll Check")
+
+
+class FederationServer:
+    """A grpc.aio server on an event loop in a thread of its own, driven from blocking code (the hub app, tests):
+    build, add ports, start, stop. The health service is served behind the federation's gate."""
+
+    def __init__(self, servicer: FederationServicer, options: list[tuple[str, Any]] | None = None):
+        self.servicer = servicer
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+        async def build() -> tuple[grpc.aio.Server, GatedHealth]:
+            servicer.attach(asyncio.get_running_loop())
+            server = grpc.aio.server(options=options or [])
+            silo_pb2_grpc.add_FederationServicer_to_server(servicer, server)
+            health = GatedHealth(servicer)
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            return server, health
+
+        self.server, self.health = self._call(build())
+
+    def _call(self, coro: Any, timeout: float | None = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add_port(self, address: str, credentials: grpc.ServerCredentials | None) -> int:
+        """The port bound (0 when the address cannot be bound)."""
+        async def add() -> int:
+            if credentials is None:
+                return self.server.add_insecure_port(address)
+            return self.server.add_secure_port(address, credentials)
+
         try:
-            # The fields the hub core does not see are checked here; the rest in Hub.join.
-            self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
-                                                                            request.capabilities))
-            desc = self.hub.join(silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
-                                 int(request.skipped_images), preparing=bool(request.preparing))
-        except Refusal as r:
-            self._abort(context, r)
-        if self.on_join is not None:
-            self.on_join(silo_id, peer_certificate(context))
-        return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
+            return self._call(add())
+        except RuntimeError:
+            return 0
 
-    def NextTask(self, request, context):
-        silo_id = self._identity(context)
-        wait = self.long_poll_s
-        remaining = context.time_remaining()
-        if remaining is not None:
-            wait = max(0.0, min(wait, remaining - 1.0))
+    def start(self) -> None:
+        async def start() -> None:
+            await self.server.start()
+            for service in ("", "silo.v1.Federation"):
+                await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+        self._call(start())
+
+    def stop(self, grace: float = 1.0) -> None:
+        if not self.loop.is_running():
+            return
         try:
-            view = self.hub.next_task(silo_id, request.run_id, wait)
-        except Refusal as r:
-            self._abort(context, r)
-        return silo_pb2.Task(
-            kind=_KINDS[view.kind],
-            run_id=self.hub.run_id,
-            round=view.round,
-            task_id=view.task_id,
-            bundle_bytes=view.bundle_bytes,
-            bundle_sha256=view.bundle_sha256,
-            hyperparameters_json=view.hyperparameters_json,
-            class_thresholds=view.class_thresholds,
-            expected=[silo_pb2.TensorSpec(name=n, shape=list(s.shape), dtype=s.dtype) for n, s in view.expected.items()],
-            retry_after_s=view.retry_after_s,
-            message=view.message,
-            privacy_json=view.privacy_json,
-            secagg_stage=view.secagg_stage,
-            secagg_payload=view.secagg_payload,
-        )
-
-    def Download(self, request, context) -> Iterator[silo_pb2.Chunk]:
-        silo_id = self._identity(context)
-        try:
-            bundle = self.hub.download(silo_id, request.run_id, request.task_id)
-        except Refusal as r:
-            self._abort(context, r)
-        for offset, data in iter_chunks(bundle, self.chunk_bytes):
-            yield silo_pb2.Chunk(offset=offset, data=data)
-
-    def Upload(self, request_iterator, context):
-        silo_id = self._identity(context)
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
-            self.hub.refuse(silo_id, "INVALID_ARGUMENT", "no_header", "upload must start with an UploadHeader")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "upload must start with an UploadHeader message")
-        h = first.header
-        header = {
-            "run_id": h.run_id, "task_id": h.task_id, "round": h.round, "total_bytes": h.total_bytes,
-            "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics), "secagg_stage": h.secagg_stage,
-        }
-
-        def chunks():
-            for message in request_iterator:
-                if message.WhichOneof("part") != "chunk":
-                    # Raised inside the hub's stream check, so it is counted and logged like any refusal.
-                    raise validation.Invalid("INVALID_ARGUMENT", "bad_stream",
-                                             "only chunks may follow the upload header")
-                yield message.chunk.offset, message.chunk.data
-
-        try:
-            self.hub.upload(silo_id, header, chunks())
-        except Refusal as r:
-            self._abort(context, r)
-        return silo_pb2.UploadReply(accepted=True, message="accepted")
+            self._call(self.server.stop(grace), timeout=grace + 10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

@@ -135,7 +135,7 @@ def stage_federation(
 
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
-        "server": {"host": "127.0.0.1", "port": 0, "certs": "pki/hub", "long_poll_s": 5.0, "linger_s": 10.0},
+        "server": {"host": "127.0.0.1", "port": 0, "certs": "pki/hub", "linger_s": 10.0},
         "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
                  "test": {"kind": "imagefolder", "path": "hub/test"},
                  **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},

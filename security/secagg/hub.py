@@ -127,6 +127,15 @@ class HubSession:
             pending = set()
         return pending - self.gone
 
+    def dropouts(self) -> set[str]:
+        """Silos that left the protocol so far: gave up, or did not answer a stage they were part of."""
+        asked_answered = ((set(self.ids), set(self.keys)), (self.u1, set(self.sealed)), (self.u2, self.masked_from),
+                          (self.u3, self.unmasked_from))
+        out = set(self.gone)
+        for asked, answered in asked_answered:
+            out |= asked - answered
+        return out
+
     def drop(self, silo_id: str) -> None:
         """A silo gave up (its session aborted): nothing more is accepted from it; it counts as a dropout."""
         self.gone.add(silo_id)

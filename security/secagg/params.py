@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
 
+from security.secagg.graph import degree_for, threshold_for
 from security.secagg.quantize import Rule
 from silo_core.config_base import StrictConfig
 
@@ -26,6 +28,16 @@ def _default_rules() -> list[QuantizationRule]:
     ]
 
 
+@dataclass(frozen=True)
+class RoundShape:
+    """What secure aggregation looks like for a round of `sampled` silos."""
+
+    sampled: int
+    neighbours: int  # k
+    threshold: int  # t
+    survives: int  # dropouts the round survives: k - t
+
+
 class SecAggParams(StrictConfig):
     """SecAgg+ knobs. Defaults: a neighbourhood of ~3 log2 n, t = 2/3 of it (always a strict majority, >= 2),
     sums in Z_{2^32}, every tensor clipped to [-1, 1] in 20 bits except `weight` (up to 1024)."""
@@ -41,6 +53,34 @@ class SecAggParams(StrictConfig):
     quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
     max_masked_bytes: int = Field(1 << 30, ge=1024, le=64 << 30, description="cap on one masked upload")
     stage_deadline_s: float = Field(120.0, gt=0, le=86_400, description="time limit of each stage after training")
+    dropouts: int = Field(
+        1, ge=0, le=1000, description="a round must survive this many sampled silos dropping out after they were "
+        "sampled; the hub samples (and waits for) enough silos for it")
+
+    def plan(self, n: int) -> RoundShape:
+        """Neighbourhood k, threshold t and the dropouts a round of n sampled silos survives (k - t: any silo whose
+        neighbourhood keeps t members can still be unmasked). ValueError when n silos cannot run at all."""
+        k = degree_for(n, self.neighbours)
+        t = threshold_for(k, self.threshold)
+        return RoundShape(n, k, t, k - t)
+
+    def fewest_silos(self, limit: int = 10_000) -> int:
+        """The smallest round that survives `dropouts` (t must stay a strict majority of k, so each dropout to
+        survive costs about two more silos in the round)."""
+        for n in range(3, limit + 1):
+            try:
+                if self.plan(n).survives >= self.dropouts:
+                    return n
+            except ValueError:
+                continue
+        raise ValueError(f"no round of up to {limit} silos survives {self.dropouts} dropouts with threshold "
+                         f"{self.threshold:g} and neighbours {self.neighbours}: lower dropouts or threshold")
+
+    @model_validator(mode="after")
+    def _dropouts_possible(self) -> SecAggParams:
+        if self.enabled:
+            self.fewest_silos()  # ValueError: no round size survives the dropouts asked for
+        return self
 
     @model_validator(mode="after")
     def _bits_fit(self) -> SecAggParams:

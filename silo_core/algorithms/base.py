@@ -75,6 +75,9 @@ class RoundPlan:
     # Optional partition of `expected` into groups (group -> names). When set, a result may hold any non-empty set
     # of whole groups (a site uploads only the models it trained); when empty, exactly `expected`.
     groups: dict[str, list[str]] = field(default_factory=dict)
+    # True when every silo must send weight exactly 1 (uniform averaging): the hub then refuses any other weight,
+    # so no silo can buy a bigger share of the mean by claiming more images.
+    unit_weight: bool = False
 
     def __post_init__(self) -> None:
         if self.groups:

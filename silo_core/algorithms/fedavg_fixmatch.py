@@ -109,7 +109,8 @@ class ParallelFedAvgHub(HubAlgorithm):
         expected = delta_specs(load_model(self.model_spec, state.tensors))
         expected["weight"] = TensorSpec((1,), "float32")
         return RoundPlan(round=r, tensors=dict(state.tensors), expected=expected,
-                         hyperparameters={"lr": self.options.lr_at(r, self.total_rounds), "seed": self.seed})
+                         hyperparameters={"lr": self.options.lr_at(r, self.total_rounds), "seed": self.seed},
+                         unit_weight=self.options.aggregation == "uniform")
 
     def finish_round(
         self, state: HubState, summed: Mapping[str, torch.Tensor], summed_metrics: Mapping[str, float]

@@ -285,6 +285,7 @@ class FedSEALHub(HubAlgorithm):
                              "lambda": ramp_weight(r, self.total_rounds, o.ramp_fraction, o.lambda_max)},
             expected=expected,
             class_thresholds=[float(v) for v in state.tensors["thresholds"]],
+            unit_weight=o.aggregation == "uniform",
         )
 
     def finish_round(

@@ -140,6 +140,7 @@ class SemiFLHub(HubAlgorithm):
             tensors=model_part,
             hyperparameters={"lr": cosine_lr(o.lr, r, self.total_rounds, o.lr_schedule), "seed": self.seed},
             expected=expected,
+            unit_weight=o.aggregation == "uniform",
         )
 
     def finish_round(

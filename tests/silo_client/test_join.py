@@ -22,9 +22,10 @@ def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) 
     joins: list[tuple[bool, int, int]] = []
     real_join = app.hub.join
 
-    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False):
+    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False, serial=None):
         joins.append((preparing, num_unlabeled, skipped_images))
-        return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing)
+        return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing,
+                         serial=serial)
 
     app.hub.join = recording_join
     client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",

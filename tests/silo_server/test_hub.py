@@ -31,7 +31,7 @@ class MeanOfSilos(HubAlgorithm):
                          {"delta/x": TensorSpec((3,), "float32"), "weight": TensorSpec((1,), "float32")})
 
     def finish_round(self, state, summed, metrics):
-        x = state.tensors["model/x"] + summed["delta/x"] / summed["weight"]
+        x = state.tensors["model/x"] + (summed["delta/x"] / summed["weight"]).float()  # sums arrive in float64
         return HubState(state.round + 1, {"model/x": x}), {"n": metrics.get("n", 0.0)}
 
     def served_model(self, state):
@@ -98,7 +98,7 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     hub = make_hub(tmp_path)
     for s in ("a", "b", "c"):
         hub.join(s, 10, 0, "cpu")
-    hub.silos_per_round = 2
+    hub.silos_per_round_count = 2
     thread, out = start_round(hub)
     time.sleep(0.3)
     task = hub.task
@@ -140,7 +140,10 @@ def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying
     first = wait_task(hub, "a")
     upload(hub, "a", first, result(10.0))  # b never reports: attempt 1 misses quorum
     time.sleep(1.5)
-    second_a, second_b = wait_task(hub, "a"), wait_task(hub, "b")
+    # b dropped out of attempt 1: it is not sampled again until it asks for work again
+    assert hub.next_task("a", hub.run_id, wait_s=1.0).kind == "WAIT"
+    assert hub.counters["rounds_failed"] == 1 and hub.counters["below_quorum"] == 1
+    second_b, second_a = wait_task(hub, "b"), wait_task(hub, "a")
     assert second_a.task_id != first.task_id
     upload(hub, "a", second_a, result(1.0))
     upload(hub, "b", second_b, result(3.0))
@@ -217,7 +220,7 @@ class TwoGroups(MeanOfSilos):
         tensors = dict(state.tensors)
         for g in ("a", "b"):
             if f"{g}/weight" in summed:
-                tensors[f"model/{g}"] = tensors[f"model/{g}"] + summed[f"{g}/delta/x"] / summed[f"{g}/weight"]
+                tensors[f"model/{g}"] = tensors[f"model/{g}"] + (summed[f"{g}/delta/x"] / summed[f"{g}/weight"]).float()
         return HubState(state.round + 1, tensors), {}
 
 

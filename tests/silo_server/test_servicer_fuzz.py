@@ -5,7 +5,6 @@ with a status, counted, and leaves the hub exactly as it was; afterwards honest 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -19,7 +18,7 @@ from security.crl import RevocationList
 from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_server.hub import Hub
-from silo_server.servicer import FederationServicer
+from silo_server.servicer import FederationServer, FederationServicer
 from tests.silo_server import hostile
 from tests.silo_server.test_hub import make_hub, start_round
 from tests.silo_server.test_hub_security import same, snapshot
@@ -47,12 +46,11 @@ def wire(tmp_path_factory) -> Iterator[Wire]:
     hub_bundle = pki.issue_hub(ca, root / "hub")
     hub = make_hub(root / "state", run_description=RUN, min_silos=3, deadline_s=600,
                    max_update_norm=hostile.MAX_NORM, max_upload_bytes=1 << 20)
-    hub.silos_per_round = 2
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
-        ("grpc.max_receive_message_length", CHUNK_CAP + (64 << 10))])
+    hub.silos_per_round_count = 2
     gate = PeerGate(revocations=RevocationList(hub_bundle / "crl.pem", hub_bundle / "ca.pem"))
-    silo_pb2_grpc.add_FederationServicer_to_server(FederationServicer(hub, 0.5, CHUNK_CAP, gate), server)
-    port = server.add_secure_port("127.0.0.1:0", tls.ReloadingServerCredentials(hub_bundle).credentials)
+    server = FederationServer(FederationServicer(hub, 0.5, CHUNK_CAP, gate), options=[
+        ("grpc.max_receive_message_length", CHUNK_CAP + (64 << 10))])
+    port = server.add_port("127.0.0.1:0", tls.ReloadingServerCredentials(hub_bundle).credentials)
     server.start()
     channels, stubs = [], {}
     for name in ("a", "b", "c", "stranger"):

@@ -1,0 +1,182 @@
+"""One silo certificate against the hub's gRPC server (mutual TLS on 127.0.0.1, the server the hub app runs): it
+cannot take the capacity other silos need, a stream that sends nothing is cut, an idle silo's long-poll is held
+until there is work, and the health service answers only certificates the gate admits."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from security import pki, tls
+from security.crl import RevocationList
+from security.gate import PeerGate
+from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_core.tensors import encode, sha256_hex
+from silo_server.hub import Hub
+from silo_server.servicer import CallLimits, FederationServer, FederationServicer
+from tests.silo_server.test_hub import make_hub
+
+RUN = {"algorithm": "mean", "model": "small_cnn", "num_classes": 10, "in_channels": 1, "image_size": 28,
+       "algorithm_options": {}, "mean": [0.5], "std": [0.5], "max_upload_bytes": 1 << 20, "chunk_bytes": 1 << 16}
+LONG_POLL_S = 30.0
+
+
+@dataclass
+class Federation:
+    hub: Hub
+    server: FederationServer
+    servicer: FederationServicer
+    stubs: dict[str, silo_pb2_grpc.FederationStub]
+    channels: dict[str, grpc.Channel]
+    ca: Path
+    hub_bundle: Path
+
+
+@pytest.fixture
+def federation(tmp_path) -> Iterator[Federation]:
+    ca = pki.init_ca(tmp_path / "ca")
+    hub_bundle = pki.issue_hub(ca, tmp_path / "hub")
+    hub = make_hub(tmp_path / "state", run_description=RUN, min_silos=2, deadline_s=600)
+    gate = PeerGate(revocations=RevocationList(hub_bundle / "crl.pem", hub_bundle / "ca.pem"))
+    servicer = FederationServicer(hub, LONG_POLL_S, 1 << 16, gate, header_timeout_s=1.0, stream_idle_s=1.0,
+                                  limits=CallLimits(warn_every_s=60.0))
+    server = FederationServer(servicer)
+    port = server.add_port("127.0.0.1:0", tls.ReloadingServerCredentials(hub_bundle).credentials)
+    server.start()
+    stubs, channels = {}, {}
+    for name in ("attacker", "honest"):
+        channels[name] = tls.secure_channel(f"127.0.0.1:{port}", pki.issue_silo(ca, name, tmp_path / name))
+        stubs[name] = silo_pb2_grpc.FederationStub(channels[name])
+        stubs[name].Join(silo_pb2.JoinRequest(num_unlabeled=10, device="cpu"), timeout=5)
+    yield Federation(hub, server, servicer, stubs, channels, ca, hub_bundle)
+    hub.stop()
+    for channel in channels.values():
+        channel.close()
+    server.stop(0)
+
+
+def start_round(hub: Hub) -> threading.Thread:
+    """Run round 1 in the background until it completes or the fixture stops the hub."""
+    state = hub.resume_or_init()
+
+    def run():
+        try:
+            hub.run_round(state)
+        except InterruptedError:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _poll(stub, hub, timeout=60.0):
+    return stub.NextTask.future(silo_pb2.NextTaskRequest(run_id=hub.run_id), timeout=timeout)
+
+
+def _code(future) -> grpc.StatusCode | None:
+    try:
+        future.result()
+        return None
+    except grpc.RpcError as err:
+        return err.code()
+
+
+def test_one_silo_flooding_long_polls_gets_one_and_everyone_else_is_still_served(federation, caplog):
+    f = federation
+    flood = [_poll(f.stubs["attacker"], f.hub) for _ in range(200)]
+    time.sleep(1.0)
+    refused = [x for x in flood if x.done()]
+    assert len(refused) == 199  # refused at once; one long-poll stays held
+    assert {_code(x) for x in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert "too many calls open from silo attacker" in refused[0].exception().details()
+    # the other silo and the health service are served as if nothing happened
+    honest = _poll(f.stubs["honest"], f.hub, timeout=5)
+    assert honest.result().kind == silo_pb2.Task.WAIT
+    health = health_pb2_grpc.HealthStub(f.channels["honest"])
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert f.servicer.limits.refused == {"attacker": 199} and f.hub.refusals["too_many_calls"] == 199
+    burst = [r for r in caplog.records if "more calls open than allowed" in r.getMessage()]
+    assert len(burst) == 1 and burst[0].levelno == logging.WARNING  # one line for the burst, not 199
+    # the held one is answered (the hub opens a round: both silos are sampled) and its slot is freed
+    start_round(f.hub)
+    held = next(x for x in flood if not x.done())
+    assert held.result(timeout=10).kind == silo_pb2.Task.TRAIN
+    assert _poll(f.stubs["attacker"], f.hub, timeout=5).result().kind == silo_pb2.Task.TRAIN
+
+
+def test_an_upload_that_sends_no_header_or_stops_sending_is_cut(federation):
+    f = federation
+    stop = threading.Event()
+
+    def silent() -> Iterator[silo_pb2.UploadMessage]:
+        stop.wait(30)  # opens the stream, sends nothing
+        return
+        yield
+
+    started = time.time()
+    flood = [f.stubs["attacker"].Upload.future(silent(), timeout=30) for _ in range(50)]
+    time.sleep(0.5)
+    refused = [x for x in flood if x.done()]
+    assert len(refused) == 49 and {_code(x) for x in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    held = next(x for x in flood if not x.done())
+    assert _code(held) == grpc.StatusCode.DEADLINE_EXCEEDED  # the hub's header timeout (1 s), not the client's 30
+    assert "no upload header within 1 s" in held.exception().details() and time.time() - started < 10
+    stop.set()
+
+    # A stream that sends its header and then goes quiet is cut at the idle limit.
+    start_round(f.hub)
+    task = _poll(f.stubs["attacker"], f.hub, timeout=10).result()
+    payload = encode({"delta/x": torch.ones(3), "weight": torch.ones(1)})
+    header = silo_pb2.UploadHeader(run_id=f.hub.run_id, task_id=task.task_id, round=task.round,
+                                   total_bytes=len(payload), sha256=sha256_hex(payload))
+    gap = threading.Event()
+
+    def stalls() -> Iterator[silo_pb2.UploadMessage]:
+        yield silo_pb2.UploadMessage(header=header)
+        yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0, data=payload[:8]))
+        gap.wait(30)
+
+    with pytest.raises(grpc.RpcError) as info:
+        f.stubs["attacker"].Upload(stalls(), timeout=30)
+    gap.set()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no chunk for 1 s" in info.value.details()
+    assert f.hub.refusals["stream_idle"] == 2 and f.hub.task.reported == set()
+
+
+def test_an_idle_silo_is_held_until_there_is_work(federation):
+    f = federation
+    polls = []
+    started = time.time()
+    polls.append(_poll(f.stubs["honest"], f.hub))
+    other = _poll(f.stubs["attacker"], f.hub)
+    time.sleep(2.0)
+    assert not polls[0].done()  # held, not answered WAIT at once
+    assert f.hub.live_silos() == ["attacker", "honest"]  # a silo in a long-poll is live
+    start_round(f.hub)
+    assert polls[0].result(timeout=10).kind == silo_pb2.Task.TRAIN  # answered when the round opened
+    assert other.result(timeout=10).kind == silo_pb2.Task.TRAIN
+    assert time.time() - started < LONG_POLL_S
+
+
+def test_health_answers_only_admitted_certificates(federation, tmp_path):
+    f = federation
+    health = health_pb2_grpc.HealthStub(f.channels["attacker"])
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    pki.revoke(f.ca, "attacker")
+    shutil.copy(f.ca / "crl.pem", f.hub_bundle / "crl.pem")
+    with pytest.raises(grpc.RpcError) as info:
+        health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert health_pb2_grpc.HealthStub(f.channels["honest"]).Check(
+        health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
