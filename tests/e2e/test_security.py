@@ -402,7 +402,7 @@ def test_replays_oversized_streams_and_poisoned_updates(runs: tuple[Run, Run]) -
         "nan": ("INVALID_ARGUMENT", "NaN"),
         "wrong_shape": ("INVALID_ARGUMENT", "has shape"),
         "norm": ("INVALID_ARGUMENT", "update norm 500 exceeds this hub's bound of 50"),
-        "negative_weight": ("INVALID_ARGUMENT", "weight must be positive"),
+        "negative_weight": ("INVALID_ARGUMENT", "weight must be exactly 1 in this run (uniform averaging)"),
     }
     for attack, (code, words) in expected.items():
         assert outcomes[attack][0] == code and words in outcomes[attack][1], (attack, outcomes[attack])
