@@ -166,6 +166,21 @@ def apply_hub_settings(config: dict[str, Any], pairs: list[str]) -> dict[str, An
     return config
 
 
+def check_secure_aggregation_fits(config: dict[str, Any], silos: int) -> None:
+    """A federation too small for secure aggregation's dropout tolerance would wait for silos that never come."""
+    from security.secagg import SecAggParams
+
+    section = config.get("privacy", {}).get("secure_aggregation", {})
+    if not section.get("enabled"):
+        return
+    fewest = SecAggParams.model_validate(section).fewest_silos()
+    if silos < fewest:
+        dropouts = section.get("dropouts", 1)
+        raise ValueError(f"secure aggregation needs at least {fewest} silos in a round to survive {dropouts} "
+                         f"dropout(s); run --silos {fewest} or more, or accept no dropout tolerance with "
+                         "--hub-set privacy.secure_aggregation.dropouts=0")
+
+
 def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
     for p in procs:
         if p.poll() is None:
@@ -386,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": {"total": args.rounds, "min_silos": args.silos, "deadline_s": 900, **rounds_sampling(args)},
         }
         apply_hub_settings(hub_config, args.hub_set)
+        check_secure_aggregation_fits(hub_config, args.silos)
         extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
                  "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class}
         if args.export_demo:

@@ -43,3 +43,14 @@ def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
     console = Console(width=160, record=True)
     console.print(summary_table([{"round": 1, "test_accuracy": 0.5}], None, "semifl"))
     assert "val acc" not in console.export_text()  # no validation split, no column
+
+
+def test_silo_sim_refuses_a_secure_federation_too_small_for_its_dropout_tolerance():
+    from silo_sim.cli import check_secure_aggregation_fits
+
+    secure = {"privacy": {"secure_aggregation": {"enabled": True}}}
+    with pytest.raises(ValueError, match="needs at least 4 silos in a round to survive 1 dropout"):
+        check_secure_aggregation_fits(secure, 3)
+    check_secure_aggregation_fits(secure, 4)
+    check_secure_aggregation_fits({"privacy": {"secure_aggregation": {"enabled": True, "dropouts": 0}}}, 3)
+    check_secure_aggregation_fits({}, 1)
