@@ -1,12 +1,24 @@
-"""Models with static batch norm (sBN, SemiFL Appendix B), or group norm for sample-level DP.
+"""The one registry that builds a network: models with static batch norm (sBN, SemiFL Appendix B), or group norm
+for sample-level DP.
 
-Every BatchNorm here normalises with the batch's own statistics while training and keeps no useful running
-estimate of its own; the global statistics used for inference and pseudo-labelling are computed explicitly by
-`silo_core.sbn` (hub data) and travel with the model as the BN buffers.
+A spec names a built-in (`small_cnn`, `wrn28_2`), a torchvision classification builder (`torchvision/resnet18`) or,
+with the `timm` extra, a timm model (`timm/resnet18`). The registry applies the kit's conventions once, so no
+algorithm special-cases a network: the class count, the input channels (a new stem) and static BN. Nothing is ever
+downloaded: pretrained weights are refused.
+
+Every BatchNorm normalises with the batch's own statistics while training and keeps no useful running estimate of
+its own; the global statistics used for inference and pseudo-labelling are computed explicitly by `silo_core.sbn`
+(hub data) and travel with the model as the BN buffers.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import re
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +131,176 @@ class WideResNet(nn.Module):
 
 MODEL_OPTIONS = {"small_cnn": ("width", "norm", "head"), "wrn28_2": ("widen", "scale", "norm")}  # each model's options
 MODELS = tuple(MODEL_OPTIONS)
+LIBRARIES = ("torchvision", "timm")  # `<library>/<name>` builds that library's classification network
+
+# Options the kit sets itself (from the hub's data and the model section) or never allows (nothing downloads:
+# pretrained weights will come from a file), per library, with what to do instead.
+_RESERVED = {
+    "torchvision": {"weights": "nothing is downloaded; leave it out (random initialisation)",
+                    "weights_backbone": "nothing is downloaded; leave it out (random initialisation)",
+                    "num_classes": "the class count comes from the hub's labeled data",
+                    "image_size": "set model.image_size", "input_size": "set model.image_size"},
+    "timm": {"pretrained": "nothing is downloaded; leave it out (random initialisation)",
+             "pretrained_cfg": "nothing is downloaded; leave it out", "pretrained_cfg_overlay": "nothing is downloaded",
+             "checkpoint_path": "weights are not loaded from a checkpoint here",
+             "num_classes": "the class count comes from the hub's labeled data",
+             "in_chans": "set model.in_channels", "img_size": "set model.image_size"},
+}
+# Builder defaults that differ from torchvision's: the kit trains on one tensor of logits, so no auxiliary heads;
+# init_weights=True is torchvision's own behaviour, said out loud to silence its FutureWarning.
+_TORCHVISION_DEFAULTS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                         "inception_v3": {"aux_logits": False, "init_weights": True}}
+_EXAMPLES = ("resnet18", "resnet50", "densenet121", "efficientnet_b0", "mobilenet_v3_small", "convnext_tiny",
+             "regnet_y_400mf", "vit_b_16")
+
+
+def _library(name: str) -> tuple[str, str] | None:
+    """('torchvision', 'resnet18') for 'torchvision/resnet18'; None for a built-in name."""
+    library, slash, model = name.partition("/")
+    return (library, model) if slash and library in LIBRARIES else None
+
+
+def _import_timm() -> Any:
+    try:
+        return importlib.import_module("timm")
+    except ImportError:
+        raise ValueError('timm/<name> models need timm: pip install "silokit[timm]"') from None
+
+
+def _torchvision_builder(name: str) -> Callable[..., nn.Module]:
+    from torchvision import models
+
+    classification = models.list_models(module=models)  # the classification builders only
+    if name in classification:
+        return models.get_model_builder(name)
+    if name in models.list_models():
+        raise ValueError(f"torchvision/{name} is not a classification model (detection, segmentation, video and "
+                         f"optical-flow models do not fit here); e.g. {', '.join(_EXAMPLES)}")
+    near = difflib.get_close_matches(name, classification, n=4, cutoff=0.6)
+    hint = f"did you mean {', '.join(near)}?" if near else f"e.g. {', '.join(_EXAMPLES)}"
+    raise ValueError(f"unknown torchvision model {name!r}; {hint} (torchvision.models.list_models() lists them all)")
+
+
+def _library_builder(library: str, name: str, spec: ModelSpec) -> Callable[[], nn.Module]:
+    """A call that builds the library's own network for spec: its class count, input size and the user's options
+    (less ours). The name is checked here; the options only when the builder runs."""
+    options = {k: v for k, v in spec.options.items() if k != "norm"}  # norm is ours: applied afterwards
+    if library == "torchvision":
+        builder = _torchvision_builder(name)
+        # Transformers fix their input size at build time (vit: image_size, maxvit: input_size); the rest pool
+        # adaptively. The builders take **kwargs, so the network class they return says which it accepts.
+        accepts = inspect.signature(typing.get_type_hints(builder)["return"].__init__).parameters
+        size: dict[str, Any] = {"image_size": spec.image_size} if "image_size" in accepts else {}
+        if "input_size" in accepts:
+            size["input_size"] = (spec.image_size, spec.image_size)
+        kwargs = {**_TORCHVISION_DEFAULTS.get(name, {}), **size, **options}
+        return lambda: builder(weights=None, num_classes=spec.num_classes, **kwargs)
+    timm = _import_timm()
+    if not timm.is_model(name):
+        near = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+        raise ValueError(f"unknown timm model {name!r}; " + (f"did you mean {', '.join(near)}? " if near else "")
+                         + "timm.list_models() lists them all")
+    args = dict(pretrained=False, num_classes=spec.num_classes, in_chans=spec.in_channels, **options)
+
+    def create() -> nn.Module:
+        try:  # transformers need the image size (img_size); a convolutional net's class refuses the keyword
+            return timm.create_model(name, img_size=spec.image_size, **args)
+        except TypeError as err:
+            if "img_size" not in str(err):
+                raise
+            return timm.create_model(name, **args)
+
+    return create
+
+
+def adapt_stem(model: nn.Module, in_channels: int) -> nn.Module:
+    """Give the network's stem (the first Conv2d in module order: resnet `conv1`, densenet `features.conv0`,
+    efficientnet/mobilenet/convnext `features.0.0`, vit `conv_proj`) ``in_channels`` inputs. The new convolution
+    has the same geometry and a fresh initialisation: the network is random anyway (nothing is downloaded)."""
+    name, stem = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)), ("", None))
+    if stem is None:
+        raise ValueError(f"{type(model).__name__} has no convolution to take {in_channels} input channels")
+    if stem.in_channels == in_channels:
+        return model
+    if stem.groups != 1:
+        raise ValueError(f"the stem {name} of {type(model).__name__} is a grouped convolution; cannot change its "
+                         "input channels")
+    new = nn.Conv2d(in_channels, stem.out_channels, stem.kernel_size, stride=stem.stride, padding=stem.padding,
+                    dilation=stem.dilation, bias=stem.bias is not None, padding_mode=stem.padding_mode,
+                    device=stem.weight.device, dtype=stem.weight.dtype)
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+    return model
+
+
+def static_batchnorm(model: nn.Module) -> nn.Module:
+    """Make every BatchNorm the kit's static BN (like `static_bn2d`): momentum=None, so a statistics pass averages
+    over the data instead of decaying. Changed in place, not replaced: a library's subclass (timm's BatchNormAct2d
+    carries its activation) keeps its behaviour, a zero-initialised gamma stays zero, and state-dict names stay."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            if not layer.track_running_stats:  # silo_core.sbn writes the global statistics into these buffers
+                raise ValueError(f"batch norm {name} keeps no running statistics; static BN needs them")
+            layer.momentum = None
+    return model
+
+
+def group_norms(model: nn.Module) -> nn.Module:
+    """Replace every BatchNorm with group norm (`norm2d(..., "group")`), for per-sample gradients (DP-SGD)."""
+    for name, layer in list(model.named_modules()):
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            if type(layer) not in (nn.BatchNorm1d, nn.BatchNorm2d):  # e.g. timm's BatchNormAct2d: would lose its act
+                raise ValueError(f"options.norm: group cannot replace {type(layer).__name__} ({name}); choose a model "
+                                 "with plain BatchNorm2d layers or none")
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, norm2d(layer.num_features, "group"))
+    return model
+
+
+def _options_error(spec: ModelSpec, err: Exception) -> ValueError:
+    """One line naming the option a library's builder refused, or what went wrong."""
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    if unexpected:
+        return ValueError(f"unknown options.{unexpected.group(1)} for model {spec.name} ({err})")
+    return ValueError(f"model {spec.name} cannot be built for {spec.in_channels}x{spec.image_size}x{spec.image_size} "
+                      f"images with options {spec.options}: {type(err).__name__}: {err}")
+
+
+def _external_model(spec: ModelSpec, library: str, name: str) -> nn.Module:
+    build = _library_builder(library, name, spec)
+    try:
+        model = build()
+    except NotImplementedError:  # not the options' fault: see _probe
+        raise
+    except Exception as err:  # whatever a builder raises for a bad option, said in one line naming the model
+        raise _options_error(spec, err) from err
+    if library == "torchvision":  # timm takes in_chans itself
+        adapt_stem(model, spec.in_channels)
+    return group_norms(model) if spec.norm == "group" else static_batchnorm(model)
+
+
+def _probe(spec: ModelSpec, library: str, name: str) -> None:
+    """Build spec's network and run one training-mode batch through it on the meta device (shapes only, no
+    memory, no arithmetic): a bad option, a stem that cannot change or an image size the network cannot take fails
+    here, at config time, with one line."""
+    try:
+        with torch.device("meta"):
+            model = _external_model(spec, library, name)
+    except NotImplementedError:  # a builder that computes with tensors (regnet's widths) cannot run on meta
+        model = _external_model(spec, library, name).to("meta")
+    for layer in model.modules():  # a meta tensor has no value for static BN's 1/num_batches_tracked; same shapes
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            layer.momentum = 0.1
+    x = torch.zeros(2, spec.in_channels, spec.image_size, spec.image_size, device="meta")
+    try:
+        with torch.no_grad():
+            out = model.train()(x)
+    except Exception as err:  # e.g. too small for alexnet's pooling, not a multiple of vit's patch size
+        raise ValueError(f"model {spec.name} cannot take {spec.in_channels}x{spec.image_size}x{spec.image_size} "
+                         f"images: {err}") from err
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, spec.num_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"model {spec.name} returns {shape} while training, not (batch, {spec.num_classes}) logits")
 
 
 @dataclass
@@ -138,6 +320,10 @@ class ModelSpec:
         return str(self.options.get("norm", "batch"))
 
     def build(self) -> nn.Module:
+        external = _library(self.name)
+        if external:
+            self._check_library_options(*external)
+            return _external_model(self, *external)
         self.check_options()
         if self.name == "small_cnn":
             return SmallCNN(self.in_channels, self.num_classes, width=int(self.options.get("width", 16)),
@@ -148,9 +334,16 @@ class ModelSpec:
         raise AssertionError(self.name)  # check_options refused every other name
 
     def check_options(self) -> None:
-        """Refuse an option this model does not have (a typo would otherwise be ignored) or a value it cannot take."""
+        """Refuse an option this model does not have (a typo would otherwise be ignored) or a value it cannot take.
+        A library's network is built once on the meta device to ask its builder (no memory, no arithmetic)."""
+        external = _library(self.name)
+        if external:
+            self._check_library_options(*external)
+            _probe(self, *external)
+            return
         if self.name not in MODEL_OPTIONS:
-            raise ValueError(f"unknown model {self.name!r}; choose one of {', '.join(MODELS)}")
+            raise ValueError(f"unknown model {self.name!r}; choose one of "
+                             f"{', '.join(MODELS)}, {', '.join(lib + '/<name>' for lib in LIBRARIES)}")
         allowed = MODEL_OPTIONS[self.name]
         unknown = sorted(set(self.options) - set(allowed))
         if unknown:
@@ -173,13 +366,30 @@ class ModelSpec:
         if not scale <= 64:  # also refuses inf
             raise ValueError(f"options.scale must be a finite number up to 64, got {scale!r}")
 
+    def _check_library_options(self, library: str, name: str) -> None:
+        """Our own checks before the library's builder sees the options."""
+        if not name:
+            raise ValueError(f"model {self.name!r} names no {library} model, e.g. {library}/resnet18")
+        for key, instead in _RESERVED[library].items():
+            if key in self.options:
+                raise ValueError(f"options.{key} is not allowed for model {self.name}: {instead}")
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown options.norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+
     def scaled(self, factor: float) -> ModelSpec:
         """The same architecture with every channel count multiplied by ``factor`` (e.g. 0.25 for a compact
-        residual model); inputs, classes and normalisation unchanged."""
+        residual model); inputs, classes and normalisation unchanged. A library's network has no single width to
+        scale: only factor 1 (the same network) is possible for it."""
         if factor <= 0:
             raise ValueError(f"a width factor must be positive, got {factor}")
+        if _library(self.name) and factor != 1:
+            raise ValueError(f"model {self.name} cannot be narrowed to {factor} of its width (only built-in models "
+                             f"scale); for hassle set algorithm.options.residual_width: 1.0 (full-size residual "
+                             f"models) or use small_cnn / wrn28_2")
         options = dict(self.options)
-        if self.name == "small_cnn":
+        if _library(self.name):
+            pass  # factor 1: the same network
+        elif self.name == "small_cnn":
             options["width"] = max(1, round(int(options.get("width", 16)) * factor))
         else:
             options["scale"] = float(options.get("scale", 1.0)) * factor

@@ -96,7 +96,7 @@ class DataSection(StrictConfig):
 
 
 class ModelSection(StrictConfig):
-    name: str = "small_cnn"
+    name: str = Field("small_cnn", description="small_cnn, wrn28_2, torchvision/<name> or timm/<name>")
     image_size: int = Field(28, ge=8, le=512)
     in_channels: int = Field(1, description="1 (grayscale) or 3 (RGB)")
     mean: list[float] | None = None
