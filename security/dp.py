@@ -46,6 +46,7 @@ import torch
 from pydantic import Field, model_validator
 
 from silo_core.config_base import StrictConfig
+from silo_core.rounds import DPRound
 
 UNCLIPPED = "dp/unclipped"  # the adaptive-clipping indicator, centered: b_i - 1/2
 
@@ -290,7 +291,7 @@ class DPController:
         self.accountant = PrivacyAccountant(config.accountant, config.delta)
         self.rounds = 0
         self.generator = noise_generator(seed)
-        self.last: dict[str, float] = {}
+        self.last: DPRound | None = None
 
     # -- per round
     def sigma_b(self, expected_silos: int) -> float | None:
@@ -329,9 +330,9 @@ class DPController:
         return min(1.0, expected_silos / enrolled)
 
     def finish_round(self, summed: Mapping[str, torch.Tensor], contributors: int, expected_silos: int,
-                     enrolled: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                     enrolled: int) -> tuple[dict[str, torch.Tensor], DPRound]:
         """Add the central noise (central mode), move the clip (adaptive), charge the accountant one step.
-        Returns the sums the algorithm may use (without the indicator) and the round's privacy metrics."""
+        Returns the sums the algorithm may use (without the indicator) and the round's privacy record."""
         if contributors < 1:
             raise ValueError("a DP round needs at least one contributor")
         out = dict(summed)
@@ -340,7 +341,7 @@ class DPController:
             std = update_noise_multiplier(self.config.noise_multiplier, sigma_b) * self.clip_norm
             for n in _selected(out, self.config.clip_tensors):
                 out[n] = out[n] + gaussian_like(out[n], std, self.generator)
-        metrics: dict[str, float] = {"dp_clip_norm": self.clip_norm}
+        clip_norm, unclipped = self.clip_norm, None  # the clip this round's updates were held to
         if sigma_b is not None:
             b = out.pop(UNCLIPPED, None)
             if b is None:
@@ -351,14 +352,13 @@ class DPController:
             unclipped = min(1.0, max(0.0, noisy / contributors + 0.5))
             a = self.config.adaptive_clipping
             self.clip_norm = next_clip_norm(self.clip_norm, unclipped, a.target_quantile, a.learning_rate)
-            metrics["dp_unclipped_fraction"] = unclipped
         q = self.sample_rate(expected_silos, enrolled)
         self.accountant.step(self.config.noise_multiplier, q)
         self.rounds += 1
-        metrics.update({"dp_epsilon": self.accountant.epsilon(), "dp_delta": self.config.delta,
-                        "dp_sample_rate": q, "dp_noise_multiplier": self.config.noise_multiplier})
-        self.last = metrics
-        return out, metrics
+        self.last = DPRound(epsilon=self.accountant.epsilon(), delta=self.config.delta,
+                            epsilon_budget=self.config.epsilon_budget, noise_multiplier=self.config.noise_multiplier,
+                            sample_rate=q, clip_norm=clip_norm, unclipped_fraction=unclipped)
+        return out, self.last
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()

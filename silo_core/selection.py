@@ -8,7 +8,10 @@ selector does. The validation images are the hub's own, so selecting costs the s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from silo_core.rounds import RoundRecord
 
 
 @dataclass
@@ -27,12 +30,12 @@ class BestRound:
         return True
 
     @classmethod
-    def from_history(cls, history: list[dict]) -> BestRound:
-        """The best round among history entries that carry a validation_accuracy (the hub's round records)."""
+    def from_history(cls, history: Iterable[RoundRecord]) -> BestRound:
+        """The best round among the rounds scored on the validation split."""
         best = cls()
-        for entry in history:
-            if "validation_accuracy" in entry:
-                best.offer(entry["round"], entry["validation_accuracy"])
+        for record in history:
+            if record.scores.validation_accuracy is not None:
+                best.offer(record.round, record.scores.validation_accuracy)
         return best
 
     def as_dict(self) -> dict[str, float | int]:

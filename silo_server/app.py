@@ -28,6 +28,7 @@ from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchv
 from silo_core.files import write_json_atomic
 from silo_core.models import ModelSpec, count_parameters
 from silo_core.partition import split_labeled_per_class
+from silo_core.rounds import Scores
 from silo_core.selection import BestRound
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
@@ -325,7 +326,7 @@ class HubApp:
         out = Path(self.config.run.state_dir)
         model = self.algorithm.served_model(state)
         weights = write_model(out / "model.safetensors", model)
-        final = self.hub.history[-1] if self.hub.history else {}
+        final = self.hub.history[-1].scores if self.hub.history else Scores()
         card = {
             "format": "silokit model card v1",
             "created": dt.datetime.now(dt.UTC).isoformat(),
@@ -346,7 +347,7 @@ class HubApp:
             "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled,
                           "skipped_images": r.skipped_images}
                       for s, r in sorted(self.hub.silos.items())},
-            "final_metrics": {k: v for k, v in final.items() if k.startswith(("test_", "validation_"))},
+            "final_metrics": final.to_json(),
             "best_round": self.best_round_card(),
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
             "stopped_early": self.hub.stopped_reason or None,
@@ -368,13 +369,13 @@ class HubApp:
         if self.validation is None or not self.best.round or not path.is_file():
             return None
         # The round's test scores, unless a hub crash made it keep a model that the redone round did not beat.
-        entry = next((h for h in self.hub.history if h.get("round") == self.best.round
-                      and h.get("validation_accuracy") == self.best.accuracy), {})
+        scores = next((h.scores for h in self.hub.history if h.round == self.best.round
+                       and h.scores.validation_accuracy == self.best.accuracy), Scores())
         return {
             "round": self.best.round,
             "chosen_by": f"accuracy on data.validation ({len(self.validation)} images); a tie goes to the later round",
             "validation_accuracy": self.best.accuracy,
-            "metrics": {k: v for k, v in entry.items() if k.startswith("test_")},
+            "metrics": {k: v for k, v in scores.to_json().items() if k.startswith("test_")},
             "weights_file": path.name,
             "weights_sha256": sha256_hex(path.read_bytes()),
         }

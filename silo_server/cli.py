@@ -9,6 +9,7 @@ import sys
 
 from security.tls import TlsError
 from silo_core.data import DataError
+from silo_core.rounds import Scores, nan_if_none
 from silo_server.config import ConfigError, load_config
 
 
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         if state.round < config.rounds.total:
             print(f"hub stopped after round {state.round}; start it again to resume from the checkpoint")
             return 0
-        last = app.hub.history[-1] if app.hub.history else {}
-        print(f"run finished after {state.round} rounds; test accuracy {last.get('test_accuracy', float('nan')):.4f}; "
+        last = app.hub.history[-1].scores if app.hub.history else Scores()
+        print(f"run finished after {state.round} rounds; test accuracy {nan_if_none(last.test_accuracy):.4f}; "
               f"model in {config.run.state_dir}/model.safetensors")
         if app.best.round:
             print(f"best round on the validation split: {app.best.round} ({app.best.accuracy:.4f}); "

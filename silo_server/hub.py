@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,11 @@ from security import validation
 from security.secagg import ProtocolError
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.files import write_json_atomic
+from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum, UploadBudget
 from silo_server.checkpoint import load_latest, save_checkpoint
-from silo_server.privacy import STAGE_UPLOADS, BudgetExhausted, HubPrivacy, RoundFailed
+from silo_server.privacy import STAGE_UPLOADS, BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed
 
 log = logging.getLogger("silo_server")
 
@@ -186,7 +187,7 @@ class Hub:
         half_precision: bool = False,
         evaluate: Callable[[HubState], dict[str, float]] | None = None,
         validate: Callable[[HubState], dict[str, float]] | None = None,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
         seed: int = 0,
         privacy: HubPrivacy | None = None,
         round_hyperparameters: dict[str, Any] | None = None,
@@ -230,8 +231,8 @@ class Hub:
         self.task: ActiveTask | None = None
         self.phase = "starting"
         self.round = 0
-        self.history: list[dict[str, Any]] = []
-        self.initial: dict[str, float] = {}  # the initial model's scores (validation_*, test_*), before round 1
+        self.history: list[RoundRecord] = []
+        self.initial = Scores()  # the initial model's scores, before round 1
         self.refusals: dict[str, int] = {}
         # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
         self.cert_not_after: dict[str, dt.datetime] = {}
@@ -670,8 +671,8 @@ class Hub:
         state, info = loaded
         self.declared_before = {str(k): int(v) for k, v in (info.get("declared_images") or {}).items()
                                 if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
-        self.history = info.get("history", [])
-        self.initial = info.get("initial", {})
+        self.history = records_from_json(info.get("history", []))
+        self.initial = Scores.from_json(info.get("initial", {}))
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
         log.info("resumed from checkpoint after round %d", state.round)
@@ -687,22 +688,23 @@ class Hub:
             # What the hub's labels alone taught the model before the silos start from it; scoring it now also
             # pays the evaluation's first-call costs before round 1 rather than in it.
             self.initial = self._score(state)
-            if self.initial:
+            if self.initial != Scores():
                 log.info("initial model (the hub's labels alone): %s",
-                         json.dumps({k: _short(v) for k, v in self.initial.items()}))
+                         json.dumps({k: _short(v) for k, v in self.initial.to_json().items()}))
             self._checkpoint(state)
         self.round = state.round
         return state
 
     def _checkpoint(self, state: HubState) -> None:
-        info: dict[str, Any] = {"run_id": self.run_id, "history": self.history, "initial": self.initial,
+        history, initial = [r.to_json() for r in self.history], self.initial.to_json()
+        info: dict[str, Any] = {"run_id": self.run_id, "history": history, "initial": initial,
                                 # fixed for the run: a restarted hub must not let a silo declare more
                                 "declared_images": self._declared_images()}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
         save_checkpoint(self.state_dir, state, info)
         write_json_atomic(self.state_dir / "history.json",
-                          {"run_id": self.run_id, "initial": self.initial, "rounds": self.history})
+                          {"run_id": self.run_id, "initial": initial, "rounds": history})
 
     def run_round(self, state: HubState) -> HubState:
         r = state.round + 1
@@ -748,23 +750,24 @@ class Hub:
                 task.open = False
                 self.phase = "aggregating"
             task.rss_peak_collecting = self.rss_meter.peak()
+            private = None
             try:
                 if self.privacy is not None:
-                    summed, summed_metrics, privacy_metrics = self.privacy.complete(self, task, need)
-                    state, metrics = self.algorithm.finish_round(state, summed, summed_metrics)
-                    metrics = {**metrics, **privacy_metrics}
+                    private = self.privacy.complete(self, task, need)  # unmasked, noised and charged
+                    aggregation_started = time.time()
+                    state, metrics = self.algorithm.finish_round(state, private.sums, private.metrics)
                 else:
                     if len(task.reported) < need:
                         raise RoundFailed(f"{len(task.reported)} of {len(sampled)} sampled silos reported, below "
                                           f"quorum {need}")
                     aggregation_started = time.time()
                     state, metrics = self.algorithm.finish_round(state, task.sums.result(), task.sums.metrics)
-                    metrics = {**metrics, "aggregation_seconds": time.time() - aggregation_started}
+                aggregation_seconds = time.time() - aggregation_started
             except RoundFailed as failed:
                 self._round_failed(task, str(failed))
                 continue
             self._mark_dropped(task)
-            return self._complete_round(state, metrics, task.started, task)
+            return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private)
         raise AssertionError("unreachable")
 
     def _declared_images(self) -> dict[str, int]:
@@ -805,55 +808,57 @@ class Hub:
                       task.round, failures, reason)
         self.stop_event.wait(pause)
 
-    def _complete_round(self, state: HubState, metrics: dict[str, float], started: float,
-                        task: ActiveTask | None) -> HubState:
+    def _complete_round(self, state: HubState, metrics: dict[str, float], started: float, task: ActiveTask | None,
+                        aggregation_seconds: float | None = None, private: PrivateSums | None = None) -> HubState:
         scoring_started = time.time()
-        entry: dict[str, Any] = {"round": state.round, **metrics, **self._score(state)}
-        if self.validate_model is not None or self.evaluate is not None:
-            entry["evaluation_seconds"] = time.time() - scoring_started
-        entry["round_seconds"] = time.time() - started
-        entry["hub_peak_rss_bytes"] = self.rss_meter.process_peak()
-        if task is not None and task.rss_at_open is not None and task.rss_peak_collecting is not None:
-            # What the hub held beyond its steady state while silos downloaded and uploaded (target: flat in
-            # the number of silos); the process peak above also counts start-up, evaluation and fine-tuning.
-            entry["collecting_rss_growth_bytes"] = task.rss_peak_collecting - task.rss_at_open
+        scores = self._score(state)
+        evaluation_seconds = (time.time() - scoring_started
+                              if self.validate_model is not None or self.evaluate is not None else None)
+        record = RoundRecord(
+            round=state.round, scores=scores, round_seconds=time.time() - started,
+            aggregation_seconds=aggregation_seconds, evaluation_seconds=evaluation_seconds,
+            hub_peak_rss_bytes=self.rss_meter.process_peak(),
+            dp=private.dp if private is not None else None, secagg=private.secagg if private is not None else None,
+            algorithm=dict(metrics))
         if task is not None:
-            reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
-            entry.update({
-                "silos_sampled": len(task.sampled),
-                "silos_reported": reporters,
-                "silos_skipped": len(task.skipped),
-                "silos_dropped": len(task.sampled) - reporters,
-                "bytes_up": task.bytes_up,
-                "bytes_down": task.bytes_down,
-                "attempt": task.attempt,
-            })
-            if reporters and "train_loss" in task.sums.metrics and task.sums.contributors:
-                entry["silo_train_loss"] = task.sums.metrics["train_loss"] / task.sums.contributors
-            if reporters and "train_seconds" in task.sums.metrics:
-                # Where a round's time goes: the silos' own computation (skipping silos report it too), against
-                # the round's wall time.
-                entry["silo_train_seconds"] = task.sums.metrics["train_seconds"] / reporters
-        self.history.append(entry)
+            record = self._with_silos(record, task)
+        self.history.append(record)
         self.failed_attempts = 0
         self._checkpoint(state)
         with self.cond:
             self.task = None
             self.round = state.round
-        log.info("round %d done: %s", state.round, json.dumps({k: _short(v) for k, v in entry.items()}))
+        log.info("round %d done: %s", state.round, json.dumps({k: _short(v) for k, v in record.to_json().items()}))
         self._log_security()
         if self.on_round is not None:
-            self.on_round(entry)
+            self.on_round(record)
         return state
 
-    def _score(self, state: HubState) -> dict[str, float]:
+    @staticmethod
+    def _with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
+        """What the round's silos did: who reported, bytes, their mean training loss and time, the hub's memory."""
+        reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
+        sums = task.sums
+        return replace(
+            record, silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
+            silos_dropped=len(task.sampled) - reporters, attempt=task.attempt, bytes_up=task.bytes_up,
+            bytes_down=task.bytes_down,
+            silo_train_loss=sums.metrics["train_loss"] / sums.contributors
+            if reporters and "train_loss" in sums.metrics and sums.contributors else None,
+            # Where a round's time goes: the silos' own computation (skipping silos report it too), against the
+            # round's wall time.
+            silo_train_seconds=sums.metrics["train_seconds"] / reporters
+            if reporters and "train_seconds" in sums.metrics else None,
+            # What the hub held beyond its steady state while silos downloaded and uploaded (target: flat in the
+            # number of silos); hub_peak_rss_bytes also counts start-up, evaluation and fine-tuning.
+            collecting_rss_growth_bytes=task.rss_peak_collecting - task.rss_at_open
+            if task.rss_at_open is not None and task.rss_peak_collecting is not None else None)
+
+    def _score(self, state: HubState) -> Scores:
         """The served model's scores on the validation split and the test set, where the hub has them."""
-        scores: dict[str, float] = {}
-        if self.validate_model is not None:
-            scores.update({f"validation_{k}": v for k, v in self.validate_model(state).items()})
-        if self.evaluate is not None:
-            scores.update({f"test_{k}": v for k, v in self.evaluate(state).items()})
-        return scores
+        validation = self.validate_model(state) if self.validate_model is not None else None
+        test = self.evaluate(state) if self.evaluate is not None else None
+        return Scores.measured(test=test, validation=validation)
 
     def _log_security(self) -> None:
         """Once a round: certificate expiry (hub and the soonest silo) and the refusals so far, by reason."""

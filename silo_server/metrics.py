@@ -3,25 +3,26 @@
 Two sources, no Prometheus code in the hub core:
 
 - State read at scrape time from the `Hub` object (round, phase, silos, counters of accepted/refused updates and
-  bytes, the latest round's entry in `hub.history`, certificate files). A restarted hub therefore shows the last
+  bytes, the latest `RoundRecord` in `hub.history`, certificate files). A restarted hub therefore shows the last
   checkpointed round's accuracy at once.
-- Events from the hub's `on_round` callback (one history entry per completed round) feed the histograms and the
+- Events from the hub's `on_round` callback (one `RoundRecord` per completed round) feed the histograms and the
   counters that only make sense per completed round.
 
-The round entry is the contract with algorithms and the privacy/secure-aggregation layers; any of these keys, when
-present, become metrics (absent keys leave the metric at zero, or at the algorithm's static value):
+The round record (silo_core/rounds.py) is the contract with the hub, the algorithms and the privacy and
+secure-aggregation layers; its fields become these metrics (None leaves a gauge at NaN, or at zero for a feature not
+in use, or at the algorithm's static value):
 
-    test_accuracy, test_loss                 silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
+    scores.test_accuracy, scores.test_loss   silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
     (hub.initial) test_accuracy              silokit_hub_initial_test_accuracy_ratio (before round 1)
-    validation_accuracy                      silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
+    scores.validation_accuracy               silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
                                              silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
     silo_train_loss                          silokit_hub_silo_train_loss (mean over reporting silos)
     silo_train_seconds                       silokit_hub_silo_train_seconds (mean over reporting silos)
-    threshold_class_<k>                      silokit_hub_class_threshold{class="<k>"}
-    epsilon_spent (or epsilon), epsilon_budget, dp_delta   silokit_hub_dp_epsilon_spent, ..._budget, ..._delta
-    secagg_<stage>_seconds                   silokit_hub_secagg_stage_duration_seconds{stage="<stage>"}
-    secagg_recoveries                        silokit_hub_secagg_recoveries_total (silos whose masks were recovered)
+    class_thresholds                         silokit_hub_class_threshold{class="<k>"}
+    dp.epsilon, dp.epsilon_budget, dp.delta  silokit_hub_dp_epsilon_spent, ..._budget, ..._delta
+    secagg.stage_seconds                     silokit_hub_secagg_stage_duration_seconds{stage="<stage>"}
+    secagg.recoveries                        silokit_hub_secagg_recoveries_total (silos whose masks were recovered)
     round_seconds, aggregation_seconds       silokit_hub_round_duration_seconds, ..._aggregation_duration_seconds
     evaluation_seconds                       silokit_hub_evaluation_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
@@ -34,11 +35,9 @@ from __future__ import annotations
 
 import bisect
 import logging
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from security.pki import cert_days_left
 from silo_core.metrics_http import MetricsServer, serve_metrics
+from silo_core.rounds import RoundRecord, nan_if_none
 from silo_core.selection import BestRound
 from silo_server.hub import PHASES, Hub
 
@@ -65,9 +65,6 @@ REFUSAL_REASONS = (
 # Secure aggregation's stages (Bonawitz et al. 2017, one per protocol round). Exported at zero until used.
 SECAGG_STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 ROUND_SILO_STATES = ("sampled", "reported", "skipped", "dropped")
-
-_THRESHOLD_KEY = re.compile(r"^threshold_class_(\d+)$")
-_SECAGG_KEY = re.compile(r"^secagg_([a-z][a-z0-9_]*)_seconds$")
 
 
 class HubMetrics:
@@ -114,31 +111,29 @@ class HubMetrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
         previous = hub.on_round
 
-        def on_round(entry: dict[str, Any]) -> None:
-            self.on_round(entry)
+        def on_round(record: RoundRecord) -> None:
+            self.on_round(record)
             if previous is not None:
-                previous(entry)
+                previous(record)
 
         hub.on_round = on_round
 
     # ------------------------------------------------------------------ events
-    def on_round(self, entry: dict[str, Any]) -> None:
+    def on_round(self, record: RoundRecord) -> None:
         now = time.time()
         self.round_ends.append(now)
         self.last_progress = now
         self.progress.set(now)
-        if "round_seconds" in entry:
-            self.round_duration.observe(float(entry["round_seconds"]))
-        if "aggregation_seconds" in entry:
-            self.aggregation_duration.observe(float(entry["aggregation_seconds"]))
-        if "evaluation_seconds" in entry:
-            self.evaluation_duration.observe(float(entry["evaluation_seconds"]))
-        self.dropouts.inc(max(0, int(entry.get("silos_dropped", 0))))
-        for key, value in entry.items():
-            m = _SECAGG_KEY.match(key)
-            if m:
-                self.secagg_duration.labels(m.group(1)).observe(float(value))
-        self.secagg_recoveries.inc(max(0, int(entry.get("secagg_recoveries", 0))))
+        for histogram, seconds in ((self.round_duration, record.round_seconds),
+                                   (self.aggregation_duration, record.aggregation_seconds),
+                                   (self.evaluation_duration, record.evaluation_seconds)):
+            if seconds is not None:
+                histogram.observe(seconds)
+        self.dropouts.inc(max(0, record.silos_dropped or 0))
+        if record.secagg is not None:
+            for stage, seconds in record.secagg.stage_seconds.items():
+                self.secagg_duration.labels(stage).observe(seconds)
+            self.secagg_recoveries.inc(max(0, record.secagg.recoveries))
 
     def observe_silo_certificate(self, silo_id: str, cert_pem: bytes | None) -> None:
         """Remember a silo's verified client certificate (from the TLS handshake) to export the time it has left."""
@@ -188,7 +183,7 @@ class _HubStateCollector(Collector):
             live = (len(task.sampled), len(task.reported), task.attempt, list(task.plan.class_thresholds)) \
                 if task is not None and task.open else None
         history = list(hub.history)
-        last = history[-1] if history else {}
+        last = history[-1] if history else RoundRecord(round=0)
         desc = hub.run_description
 
         info = _gauge("silokit_hub_info", "The run this hub serves (value 1).",
@@ -198,7 +193,7 @@ class _HubStateCollector(Collector):
         yield _gauge("silokit_hub_round", "The round in progress, or the last completed one between rounds.",
                      round_now)
         yield _gauge("silokit_hub_rounds_completed", "Rounds applied so far in this run (checkpointed).",
-                     int(last.get("round", 0)))
+                     last.round)
         yield _gauge("silokit_hub_rounds_planned", "Rounds this run will take (rounds.total).", hub.total_rounds)
         phases = _gauge("silokit_hub_phase", "1 for the hub's current phase, 0 for the others.", labels=["phase"])
         for p in dict.fromkeys((*PHASES, phase)):
@@ -219,9 +214,10 @@ class _HubStateCollector(Collector):
                      preparing)
         round_silos = _gauge("silokit_hub_round_silos", "Silos of the last completed round, by what they did.",
                              labels=["state"])
-        for state in ROUND_SILO_STATES:
-            if f"silos_{state}" in last:
-                round_silos.add_metric([state], float(last[f"silos_{state}"]))
+        for state, count in zip(ROUND_SILO_STATES, (last.silos_sampled, last.silos_reported, last.silos_skipped,
+                                                     last.silos_dropped), strict=True):
+            if count is not None:
+                round_silos.add_metric([state], count)
         yield round_silos
         current = _gauge("silokit_hub_current_round_silos", "Silos sampled for the round in progress and those "
                          "that reported so far (0 between rounds).", labels=["state"])
@@ -246,46 +242,47 @@ class _HubStateCollector(Collector):
                                   value=counters.get("sent_bytes", 0))
 
         # model quality
-        tested = [h for h in history if "test_accuracy" in h]
+        tested = [h.scores for h in history if h.scores.test_accuracy is not None]
         yield _gauge("silokit_hub_test_accuracy_ratio", "Test accuracy after the last completed round (0..1).",
-                     tested[-1]["test_accuracy"] if tested else NAN)
+                     tested[-1].test_accuracy if tested else NAN)
         yield _gauge("silokit_hub_test_accuracy_previous_ratio", "Test accuracy after the round before the last.",
-                     tested[-2]["test_accuracy"] if len(tested) > 1 else NAN)
+                     tested[-2].test_accuracy if len(tested) > 1 else NAN)
         yield _gauge("silokit_hub_test_loss", "Test cross-entropy after the last completed round.",
-                     tested[-1].get("test_loss", NAN) if tested else NAN)
+                     nan_if_none(tested[-1].test_loss) if tested else NAN)
         yield _gauge("silokit_hub_initial_test_accuracy_ratio", "Test accuracy of the initial model, trained on the "
                      "hub's labels alone before round 1, where the silos start from (0..1).",
-                     hub.initial.get("test_accuracy", NAN))
-        validated = [h for h in history if "validation_accuracy" in h]
-        best = BestRound.from_history(validated)
+                     nan_if_none(hub.initial.test_accuracy))
+        validated = [h.scores.validation_accuracy for h in history if h.scores.validation_accuracy is not None]
+        best = BestRound.from_history(history)
         yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "
-                     "completed round (0..1).", validated[-1]["validation_accuracy"] if validated else NAN)
+                     "completed round (0..1).", validated[-1] if validated else NAN)
         yield _gauge("silokit_hub_best_round", "The round whose model scored best on the validation split so far "
                      "(kept as best_model.safetensors; 0: none yet).", best.round)
         yield _gauge("silokit_hub_best_validation_accuracy_ratio", "That round's validation accuracy (0..1).",
                      best.accuracy if best.round else NAN)
         yield _gauge("silokit_hub_pseudo_label_ratio", "Share of the silos' unlabeled images whose pseudo-label "
-                     "passed the threshold in the last round.", last.get("pseudo_label_ratio", NAN))
+                     "passed the threshold in the last round.", nan_if_none(last.pseudo_label_ratio))
         yield _gauge("silokit_hub_pseudo_label_accuracy_ratio", "Share of the passing pseudo-labels that were right "
-                     "(known in simulation only).", last.get("pseudo_label_accuracy", NAN))
+                     "(known in simulation only).", nan_if_none(last.pseudo_label_accuracy))
         yield _gauge("silokit_hub_silo_train_loss", "Mean local training loss of the silos in the last round.",
-                     last.get("silo_train_loss", NAN))
+                     nan_if_none(last.silo_train_loss))
         yield _gauge("silokit_hub_silo_train_seconds", "Mean time a reporting silo spent in local training in the "
                      "last round (NaN under differential privacy or secure aggregation, where silos send no metrics).",
-                     last.get("silo_train_seconds", NAN))
+                     nan_if_none(last.silo_train_seconds))
         thresholds = _gauge("silokit_hub_class_threshold", "Confidence a pseudo-label of this class must reach.",
                             labels=["class"])
         for k, v in self._thresholds(last, live[3] if live else []):
             thresholds.add_metric([str(k)], v)
         yield thresholds
 
-        # privacy and security
+        # privacy and security: the last round that charged the accountant (a round with no update charges nothing)
+        dp = next((h.dp for h in reversed(history) if h.dp is not None), None)
         yield _gauge("silokit_hub_dp_epsilon_spent", "Differential-privacy epsilon spent so far (0 without DP).",
-                     float(last.get("epsilon_spent", last.get("epsilon", 0.0))))
-        yield _gauge("silokit_hub_dp_epsilon_budget", "Differential-privacy epsilon budget (0 without DP).",
-                     float(last.get("epsilon_budget", 0.0)))
+                     dp.epsilon if dp is not None else 0.0)
+        yield _gauge("silokit_hub_dp_epsilon_budget", "Differential-privacy epsilon budget (0 without DP or "
+                     "without a budget).", (dp.epsilon_budget or 0.0) if dp is not None else 0.0)
         yield _gauge("silokit_hub_dp_delta", "Differential-privacy delta (0 without DP).",
-                     float(last.get("dp_delta", 0.0)))
+                     (dp.delta or 0.0) if dp is not None else 0.0)
         certs = _gauge("silokit_hub_certificate_remaining_seconds", "Time until the hub's own certificate (hub) or "
                        "the federation CA's (ca) expires.", labels=["certificate"])
         if self.m.certs is not None:
@@ -327,11 +324,10 @@ class _HubStateCollector(Collector):
                 silo_certs.add_metric([silo_id], left)
         yield from (last_seen, is_connected, silent, contributed, images, skipped, silo_certs)
 
-    def _thresholds(self, last: dict[str, Any], planned: list[float]) -> list[tuple[int, float]]:
+    def _thresholds(self, last: RoundRecord, planned: list[float]) -> list[tuple[int, float]]:
         """Per-class thresholds: the round's own (FedSEAL), else the plan's, else the algorithm's single tau."""
-        found = sorted((int(m.group(1)), float(v)) for k, v in last.items() if (m := _THRESHOLD_KEY.match(k)))
-        if found:
-            return found
+        if last.class_thresholds:
+            return list(last.class_thresholds.items())
         if planned:
             return list(enumerate(planned))
         desc = self.m.hub.run_description

@@ -5,8 +5,9 @@ The hub core (hub.py) calls three hooks and keeps everything else here:
     begin(task_id, expected, sampled, enrolled, need) -> RoundPrivacy   before the round is published
                                                        (DP budget check and instructions; a SecAgg+ session)
     view(round_privacy, silo)  -> (stage, payload)     what a polling silo must do for secure aggregation now
-    complete(hub, task, need)  -> sums or None         after training: drive the SecAgg+ stages (or take the plain
-                                                       sums), add central noise, charge the accountant
+    complete(hub, task, need)  -> PrivateSums          after training: drive the SecAgg+ stages (or take the plain
+                                                       sums), add central noise, charge the accountant; the round
+                                                       record's typed privacy parts come back with the sums
 
 With secure aggregation a silo's training result never reaches the hub in the clear: its "upload" is the
 advertise-keys message, then it answers the share-keys, masked-input and unmask stages that the hub hands out
@@ -41,11 +42,13 @@ from security.secagg.quantize import rule_for
 from security.validation import printable
 from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig
+from silo_core.rounds import DPRound, SecAggRound
 from silo_core.tensors import TensorSpec
 
 log = logging.getLogger("silo_server")
 
-__all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "RoundAbandoned", "RoundFailed", "RoundPrivacy"]
+__all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "PrivateSums", "RoundAbandoned", "RoundFailed",
+           "RoundPrivacy"]
 
 
 class RoundFailed(Exception):
@@ -88,6 +91,16 @@ class RoundPrivacy:
         if self.session is not None:
             body["secagg"] = {"session": task_id}
         return json.dumps(body) if body else ""
+
+
+@dataclass
+class PrivateSums:
+    """What a private round hands the algorithm (sums and summed clear metrics) and its round record (dp, secagg)."""
+
+    sums: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    dp: DPRound | None = None
+    secagg: SecAggRound | None = None
 
 
 class HubPrivacy:
@@ -223,26 +236,24 @@ class HubPrivacy:
             rp.answered.add(silo_id)
 
     # ------------------------------------------------------------------ after training
-    def complete(self, hub: Any, task: Any, need: int
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
-        """The round's usable sums, summed metrics and privacy metrics; RoundFailed (naming the cause) if the round
+    def complete(self, hub: Any, task: Any, need: int) -> PrivateSums:
+        """The round's usable sums, summed metrics and privacy records; RoundFailed (naming the cause) if the round
         must be retried."""
         rp: RoundPrivacy = task.privacy
-        extra: dict[str, float] = {}
+        secagg = dp = None
         if rp.session is not None:
             if len(task.reported) < need:
                 raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos finished training, "
                                   f"below quorum {need}")
             try:
-                result = self._drive(hub, task)
+                result, stage_seconds = self._drive(hub, task)
             except RoundAbandoned as err:
                 raise RoundFailed(str(err)) from None
             summed = dict(result.sums)
             contributors = len(result.contributors)
             self._check_sum(hub, task, summed, result.contributors)
             metrics: dict[str, float] = {}
-            extra.update({f"secagg_{k}": float(v) for k, v in result.stats.items()})
-            extra["secagg_contributors"] = float(contributors)
+            secagg = SecAggRound(**result.stats, stage_seconds=stage_seconds)
             if result.suspects:
                 log.warning("secure aggregation: silos %s revealed shares that are not on the polynomial",
                             ", ".join(result.suspects))
@@ -256,12 +267,11 @@ class HubPrivacy:
                 summed.pop(UNCLIPPED, None)
                 log.warning("round %d: no silo update to privatize; nothing released, nothing charged", task.round)
             else:
-                summed, dp_metrics = self.dp.finish_round(summed, contributors, rp.expected_silos, rp.enrolled)
-                extra.update(dp_metrics)
+                summed, dp = self.dp.finish_round(summed, contributors, rp.expected_silos, rp.enrolled)
                 log.info("round %d: privacy spent epsilon = %.4f at delta = %g (noise multiplier %.3f, sampling "
-                         "rate %.3f, %d rounds charged)", task.round, dp_metrics["dp_epsilon"], self.dp.config.delta,
-                         self.dp.config.noise_multiplier, dp_metrics["dp_sample_rate"], self.dp.rounds)
-        return summed, metrics, extra
+                         "rate %.3f, %d rounds charged)", task.round, dp.epsilon, dp.delta, dp.noise_multiplier,
+                         dp.sample_rate, self.dp.rounds)
+        return PrivateSums(summed, metrics, dp, secagg)
 
     def _check_sum(self, hub: Any, task: Any, summed: dict[str, torch.Tensor], contributors: list[str]) -> None:
         """Under secure aggregation the hub sees no single update, so it checks what the sum allows: the summed
@@ -286,16 +296,19 @@ class HubPrivacy:
             hub.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
             raise RoundFailed(f"the securely aggregated sum was refused: {err.message}") from None
 
-    def _drive(self, hub: Any, task: Any):
+    def _drive(self, hub: Any, task: Any) -> tuple[Any, dict[str, float]]:
         """Close advertise_keys, then run share_keys, masked_input and unmask, each until every silo answered or
-        the stage deadline; finally unmask the sum. RoundAbandoned when the threshold cannot be met."""
+        the stage deadline; finally unmask the sum. Returns the session's result and each stage's duration
+        (advertise_keys: from hand-out, so training included); RoundAbandoned when the threshold cannot be met."""
         rp: RoundPrivacy = task.privacy
         s = rp.session
         deadline_s = self.secagg.stage_deadline_s
         stages = (("share_keys", s.close_advertise), ("masked_input", s.close_share_keys),
                   ("unmask", s.close_masked_input))
+        seconds = {"advertise_keys": time.time() - task.started}
         with hub.cond:
             for next_stage, close in stages:
+                stage_started = time.time()
                 rp.outbox, rp.outbox_stage, rp.answered = {}, next_stage, set()
                 rp.outbox = close()
                 hub.cond.notify_all()
@@ -309,8 +322,13 @@ class HubPrivacy:
                         if time.time() - ready_since > min(5.0, deadline_s):
                             break
                     hub.cond.wait(timeout=0.25)
+                seconds[next_stage] = time.time() - stage_started
             rp.outbox, rp.outbox_stage = {}, ""
-            return s.finish()
+            finishing = time.time()
+            result = s.finish()
+        # Exported as one stage, "unmasking": collecting the unmask shares, then removing the masks.
+        seconds["unmasking"] = seconds.pop("unmask") + time.time() - finishing
+        return result, seconds
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

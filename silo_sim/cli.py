@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
 from silo_core.selection import BestRound
 
 console = Console(stderr=False)
@@ -194,15 +195,16 @@ def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
-def _read_history(path: Path, part: str = "rounds") -> Any:
-    """The hub's history.json: its rounds, or the initial model's scores (`part` "initial")."""
+def _read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
+    """The hub's history.json: its rounds and the initial model's scores (none while the hub has not written it)."""
     try:
-        return json.loads(path.read_text()).get(part, [] if part == "rounds" else {})
+        saved = json.loads(path.read_text())
     except (OSError, ValueError):
-        return [] if part == "rounds" else {}
+        return [], Scores()
+    return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
 
 
-def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]], float]:
+def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], float]:
     """Start the hub and the silo workers as real processes; follow progress; return (rc, history, seconds)."""
     cores = os.cpu_count() or 2
     workers = max(1, min(args.workers or cores, len(staged.silos)))
@@ -247,14 +249,14 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
                       TimeElapsedColumn(), console=console, transient=False) as progress:
             bar = progress.add_task("initial hub training", total=rounds)
             while hub.poll() is None:
-                history = _read_history(history_path)
+                history, _ = _read_history(history_path)
                 if history:
                     last = history[-1]
-                    progress.update(bar, completed=last["round"], description=(
-                        f"round {last['round']}: test acc {last.get('test_accuracy', float('nan')):.3f}, "
-                        f"pseudo-labels {last.get('pseudo_label_ratio', 0):.0%}"))
+                    progress.update(bar, completed=last.round, description=(
+                        f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
+                        f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
                 time.sleep(0.5)
-            progress.update(bar, completed=len(_read_history(history_path)))
+            progress.update(bar, completed=len(_read_history(history_path)[0]))
         rc = hub.wait()
         for p in procs[1:]:
             try:
@@ -264,7 +266,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[dict[str, Any]]
         if rc != 0:
             tail = (logs / "hub.log").read_text()[-3000:]
             raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
-        return rc, _read_history(history_path), time.time() - started
+        return rc, _read_history(history_path)[0], time.time() - started
     finally:
         _terminate(procs)
 
@@ -333,34 +335,43 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
             "seconds": time.time() - started}
 
 
-def summary_table(history: list[dict[str, Any]], baseline: dict[str, Any] | None, algorithm: str,
-                  initial: dict[str, float] | None = None) -> Table:
+def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, algorithm: str,
+                  initial: Scores | None = None) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
     table.add_column("round", justify="right", no_wrap=True, min_width=11)
     best = BestRound.from_history(history)
     if best.round:  # the hub kept this round as best_model.safetensors
         table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
+    private = any(h.dp is not None for h in history)  # the privacy spent, beside what it cost in accuracy
     for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos", "round time",
-                "bytes up", "bytes down"):
+                "bytes up", "bytes down", *(("epsilon",) if private else ())):
         table.add_column(col, justify="right", no_wrap=True)
-    if initial:  # the hub's model before any silo took part
-        table.add_row("0 (initial)", f"{initial.get('test_accuracy', float('nan')):.4f}",
-                      *((f"{initial.get('validation_accuracy', float('nan')):.4f} ",) if best.round else ()),
-                      "-", "-", "-", "-", "-", "-", style="dim")
+    if initial is not None and initial != Scores():  # the hub's model before any silo took part
+        table.add_row("0 (initial)", f"{nan_if_none(initial.test_accuracy):.4f}",
+                      *((f"{nan_if_none(initial.validation_accuracy):.4f} ",) if best.round else ()),
+                      "-", "-", "-", "-", "-", "-", *(("-",) if private else ()), style="dim")
     for h in history:
-        validation = ((f"{h.get('validation_accuracy', float('nan')):.4f}{'*' if h['round'] == best.round else ' '}",)
+        validation = ((f"{nan_if_none(h.scores.validation_accuracy):.4f}{'*' if h.round == best.round else ' '}",)
                       if best.round else ())
         table.add_row(
-            str(h["round"]), f"{h.get('test_accuracy', float('nan')):.4f}", *validation,
-            f"{h['pseudo_label_ratio']:.3f}" if "pseudo_label_ratio" in h else "-",
-            f"{h['pseudo_label_accuracy']:.3f}" if "pseudo_label_accuracy" in h else "-",
-            f"{h.get('silos_reported', 0)}/{h.get('silos_sampled', 0)}", f"{h.get('round_seconds', 0):.1f}s",
-            _human(h.get("bytes_up", 0)), _human(h.get("bytes_down", 0)),
+            str(h.round), f"{nan_if_none(h.scores.test_accuracy):.4f}", *validation,
+            f"{h.pseudo_label_ratio:.3f}" if h.pseudo_label_ratio is not None else "-",
+            f"{h.pseudo_label_accuracy:.3f}" if h.pseudo_label_accuracy is not None else "-",
+            f"{h.silos_reported or 0}/{h.silos_sampled or 0}", f"{h.round_seconds or 0:.1f}s",
+            _human(h.bytes_up or 0), _human(h.bytes_down or 0), *((_epsilon(h),) if private else ()),
         )
     if baseline:
         table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.round else ()), "-", "-",
-                      "-", f"{baseline['seconds']:.1f}s", "-", "-", style="dim")
+                      "-", f"{baseline['seconds']:.1f}s", "-", "-", *(("-",) if private else ()), style="dim")
     return table
+
+
+def _epsilon(record: RoundRecord) -> str:
+    """Epsilon spent after the round, and the budget when there is one."""
+    dp = record.dp
+    if dp is None:
+        return "-"
+    return f"{dp.epsilon:.2f}" + (f" / {dp.epsilon_budget:g}" if dp.epsilon_budget is not None else "")
 
 
 def _human(n: float) -> str:
@@ -432,13 +443,14 @@ def main(argv: list[str] | None = None) -> int:
             console.print("training the server-only baseline on the same labels ...")
             baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model,
                                             hub_config["model"].get("options"))
-        initial = _read_history(staged.hub_state_dir / "history.json", "initial")
+        _, initial = _read_history(staged.hub_state_dir / "history.json")
         console.print(summary_table(history, baseline, args.algorithm, initial))
-        final = history[-1] if history else {}
+        final = history[-1] if history else None
         if baseline and final:
-            gain = 100 * (final.get("test_accuracy", 0) - baseline["test_accuracy"])
+            accuracy = final.scores.test_accuracy or 0.0
+            gain = 100 * (accuracy - baseline["test_accuracy"])
             verdict = "above" if gain > 0 else "NOT above"
-            console.print(f"{args.algorithm} final test accuracy {final.get('test_accuracy', 0):.4f} is "
+            console.print(f"{args.algorithm} final test accuracy {accuracy:.4f} is "
                           f"{verdict} server-only {baseline['test_accuracy']:.4f} ({gain:+.1f} points); "
                           f"federated run took {seconds:.0f}s")
         if args.out:
@@ -446,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
             summary = {
                 "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                              "algorithm_options": options, "cores": cores},
-                "initial": initial,
-                "rounds": history,
+                "initial": initial.to_json(),
+                "rounds": [r.to_json() for r in history],
                 "baseline": baseline,
-                "final": final,
+                "final": final.to_json() if final else {},
                 "federated_seconds": seconds,
             }
             (args.out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -21,6 +21,7 @@ from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
+from silo_core.rounds import RoundRecord, Scores
 from silo_core.training import evaluate as evaluate_model
 from silo_server.aggregate import RunningSum
 
@@ -33,11 +34,11 @@ def run_inprocess(
     silos_per_round: float = 1.0,
     seed: int = 0,
     evaluate: Callable[[HubState], dict[str, float]] | None = None,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     round_hyperparameters: dict[str, Any] | None = None,
     validate: Callable[[HubState], dict[str, float]] | None = None,
     silos_per_round_count: int | None = None,
-) -> tuple[HubState, list[dict[str, Any]]]:
+) -> tuple[HubState, list[RoundRecord]]:
     """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp); `validate`
     and `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*).
     Each round samples the fraction `silos_per_round` of the silos, or `silos_per_round_count` of them when given
@@ -46,7 +47,7 @@ def run_inprocess(
         raise ValueError(f"silos_per_round is a fraction in (0, 1], got {silos_per_round}; for a number of silos "
                          "pass silos_per_round_count")
     state = hub.init_state()
-    history: list[dict[str, Any]] = []
+    history: list[RoundRecord] = []
     rng = random.Random(seed)
     for _ in range(rounds):
         started = time.time()
@@ -54,7 +55,7 @@ def run_inprocess(
         plan.hyperparameters.update(round_hyperparameters or {})
         sums = RunningSum()
         sampled: list[SiloData] = []
-        silo_seconds = 0.0
+        silo_seconds, skipped = 0.0, 0
         if hub.needs_silos and silo is not None and silos:
             # The count the deployed hub samples (Hub._sample_count), so that the numbers carry over.
             if silos_per_round_count is not None:
@@ -66,32 +67,34 @@ def run_inprocess(
                 silo_started = time.time()
                 result = silo.local_update(plan, data)
                 silo_seconds += time.time() - silo_started
+                skipped += result.skipped
                 sums.add({} if result.skipped else result.tensors, result.metrics)
         aggregation_started = time.time()
         state, metrics = hub.finish_round(state, sums.result(), sums.metrics)
-        # The same timings the deployment's hub records (aggregation_seconds, evaluation_seconds,
-        # silo_train_seconds: a silo's mean), so that the two can be compared phase by phase.
-        entry: dict[str, Any] = {"round": state.round, **metrics, "silos_sampled": len(sampled),
-                                 "silos_contributed": sums.contributors,
-                                 "aggregation_seconds": time.time() - aggregation_started}
-        if sampled:
-            entry["silo_train_seconds"] = silo_seconds / len(sampled)
+        aggregation_seconds = time.time() - aggregation_started
+        # The same record and timings as the deployment's hub (aggregation_seconds, evaluation_seconds,
+        # silo_train_seconds: a silo's mean), so that the two can be compared phase by phase. Every sampled silo
+        # reports here: none drops out.
         scoring_started = time.time()
-        if validate is not None:
-            entry.update({f"validation_{k}": v for k, v in validate(state).items()})
-        if evaluate is not None:
-            entry.update({f"test_{k}": v for k, v in evaluate(state).items()})
-        if validate is not None or evaluate is not None:
-            entry["evaluation_seconds"] = time.time() - scoring_started
-        entry["round_seconds"] = time.time() - started
-        history.append(entry)
+        validation = validate(state) if validate is not None else None
+        test = evaluate(state) if evaluate is not None else None
+        record = RoundRecord(
+            round=state.round, scores=Scores.measured(test=test, validation=validation),
+            silos_sampled=len(sampled), silos_reported=len(sampled), silos_skipped=skipped, silos_dropped=0,
+            silos_contributed=sums.contributors, aggregation_seconds=aggregation_seconds,
+            evaluation_seconds=time.time() - scoring_started if validate is not None or evaluate is not None else None,
+            silo_train_seconds=silo_seconds / len(sampled) if sampled else None,
+            silo_train_loss=sums.metrics["train_loss"] / sums.contributors
+            if "train_loss" in sums.metrics and sums.contributors else None,
+            round_seconds=time.time() - started, algorithm=dict(metrics))
+        history.append(record)
         if on_round is not None:
-            on_round(entry)
+            on_round(record)
     return state, history
 
 
 def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int = 0,
-                  model: str = "small_cnn", device: torch.device | None = None) -> list[dict[str, Any]]:
+                  model: str = "small_cnn", device: torch.device | None = None) -> list[RoundRecord]:
     """The rounds a silo-sim run staged in `work` took over the wire, again in one process: the same images (its
     PNG files), silo names (they seed each silo's randomness), options and seed, every silo in every round (the
     hub's sampling of a fraction is its own), and every CPU core, as silo-sim's hub and worker use (another thread
@@ -107,7 +110,7 @@ def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int,
 
 
 def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int, model: str,
-            device: torch.device) -> list[dict[str, Any]]:
+            device: torch.device) -> list[RoundRecord]:
     entry = get_algorithm(method)
     opts = entry.options.model_validate(options)
     labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)

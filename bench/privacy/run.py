@@ -45,6 +45,7 @@ from security.dp import DPConfig, DPController, PrivacyAccountant, privatize_upd
 from security.secagg import QuantizationRule, SecAggParams  # noqa: E402
 from security.secagg.inprocess import Costs, aggregate  # noqa: E402
 from silo_core.models import ModelSpec  # noqa: E402
+from silo_core.rounds import RoundRecord, Scores  # noqa: E402
 
 OUT = ROOT / "bench" / "privacy" / "results"
 
@@ -170,11 +171,13 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
                                    noise="distributed"), secure_aggregation=True, seed=args.seed)
     state = hub.init_state()
     rng = random.Random(args.seed)
-    history, norms = [], []
+    history: list[RoundRecord] = []
+    norms: list[float] = []
     started = time.time()
     for r in range(1, args.rounds + 1):
         plan = hub.begin_round(state)
         summed: dict[str, torch.Tensor] = {}
+        charged = None  # this round's DP record, when DP is on
         if silo is not None:
             sampled = rng.sample(silos, per_round)
             instructions = dp.plan_round(per_round, len(silos), per_round) if dp is not None else None
@@ -195,17 +198,19 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
             out = aggregate(inputs, rules, session=f"r{r}", seed=r, keep_levels=False)
             summed = {k: v.float() for k, v in out.sums.items()}
             if dp is not None:
-                summed, _ = dp.finish_round(summed, len(out.contributors), per_round, len(silos))
+                summed, charged = dp.finish_round(summed, len(out.contributors), per_round, len(silos))
         state, metrics = hub.finish_round(state, summed, {})
         acc = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
-        history.append({"round": r, "test_accuracy": acc["accuracy"],
-                        **({"epsilon": dp.epsilon()} if dp and math.isfinite(epsilon) else {})})
+        if charged is not None and not math.isfinite(epsilon):
+            charged = None  # an infinite target runs the same pipeline without noise: no epsilon to speak of
+        history.append(RoundRecord(round=r, scores=Scores.measured(test=acc), dp=charged))
         print(f"  {algorithm} eps={epsilon} round {r}: accuracy {acc['accuracy']:.4f}"
-              + (f", epsilon {dp.epsilon():.3f}" if dp and math.isfinite(epsilon) else ""), flush=True)
+              + (f", epsilon {charged.epsilon:.3f}" if charged is not None else ""), flush=True)
     finite = dp is not None and math.isfinite(epsilon)
     return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.config.noise_multiplier
             if finite else None, "spent_epsilon": dp.epsilon() if finite else None, "sample_rate": q,
-            "final_accuracy": history[-1]["test_accuracy"], "history": history, "seconds": time.time() - started,
+            "final_accuracy": history[-1].scores.test_accuracy, "history": [h.to_json() for h in history],
+            "seconds": time.time() - started,
             "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round,
             "median_update_norm": statistics.median(norms) if norms else None}
 
@@ -310,9 +315,9 @@ def bench_sample_dp(args) -> list[dict[str, Any]]:
         ledgers = list(silo.sample_dp_ledgers.values()) if silo is not None else []
         epsilon = max((ledger.epsilon() for ledger in ledgers), default=None)
         cells.append({"setting": sigma, "noise_multiplier": None if sigma in no_dp else float(sigma),
-                      "max_silo_epsilon": epsilon, "final_accuracy": history[-1]["test_accuracy"],
-                      "accuracy_per_round": [h["test_accuracy"] for h in history], "seconds": time.time() - started})
-        print(f"  sample-dp {sigma}: accuracy {history[-1]['test_accuracy']:.4f}"
+                      "max_silo_epsilon": epsilon, "final_accuracy": history[-1].scores.test_accuracy,
+                      "accuracy_per_round": [h.scores.test_accuracy for h in history], "seconds": time.time() - started})
+        print(f"  sample-dp {sigma}: accuracy {history[-1].scores.test_accuracy:.4f}"
               + (f", largest silo epsilon {epsilon:.2f}" if epsilon else ""), flush=True)
     return cells
 

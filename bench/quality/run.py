@@ -46,6 +46,7 @@ from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.models import HEADS, MODELS, ModelSpec, count_parameters  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
+from silo_core.rounds import records_from_json  # noqa: E402
 from silo_core.selection import BestRound  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
@@ -209,11 +210,11 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
                                validate=validate_state)
     final = history[-1]
     selected = evaluate(best_model["model"], test.images, test.labels, spec.mean, spec.std, device)
-    return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final["test_accuracy"],
+    return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final.scores.test_accuracy,
             **best.as_dict(), "best_round_test_accuracy": selected["accuracy"],
             "seconds": time.time() - started, "options": cell_options(method, profile), "model": model,
             **({"model_options": model_options} if model_options else {}),
-            "parameters": count_parameters(spec.build()), "history": history}
+            "parameters": count_parameters(spec.build()), "history": [h.to_json() for h in history]}
 
 
 def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, unlabeled: int = 1200
@@ -238,10 +239,10 @@ def wire_check(method: str, profile: Profile, silos: int = 4, rounds: int = 3, u
         ran = saved_options({"method": method, "options": summary["settings"]["algorithm_options"]})
         if ran != chosen:
             raise SystemExit(f"wire check: silo-sim's hub ran {method} with {ran}, not the profile's {chosen}")
-        wire = [r["test_accuracy"] for r in summary["rounds"]]
+        wire = [r.scores.test_accuracy for r in records_from_json(summary["rounds"])]
         started = time.time()
         history = replay_staged(work, method, chosen, rounds)
-        local = [h["test_accuracy"] for h in history]
+        local = [h.scores.test_accuracy for h in history]
     return {"method": method, "silos": silos, "rounds": rounds, "unlabeled": unlabeled, "options": chosen,
             "wire_accuracy": wire, "inprocess_accuracy": local, "wire_seconds": wire_seconds,
             "inprocess_seconds": time.time() - started,
@@ -347,10 +348,11 @@ def plot_curves(cells: list[dict[str, Any]], path: Path) -> None:
         for c in cells:
             if c["partition"] != p or c["seed"] != first_seed:
                 continue
-            pts = [(h["round"], h["test_accuracy"]) for h in c["history"] if "test_accuracy" in h]
+            history = records_from_json(c["history"])
+            pts = [(h.round, h.scores.test_accuracy) for h in history if h.scores.test_accuracy is not None]
             axes[0][col].plot(*zip(*pts, strict=True), marker=".", label=c["method"], color=colour[c["method"]])
-            pl = [(h["round"], h.get("pseudo_label_accuracy"), h.get("pseudo_label_ratio")) for h in c["history"]
-                  if "pseudo_label_ratio" in h]
+            pl = [(h.round, h.pseudo_label_accuracy, h.pseudo_label_ratio) for h in history
+                  if h.pseudo_label_ratio is not None]
             if pl:
                 rounds = [r for r, _, _ in pl]
                 axes[1][col].plot(rounds, [a if a is not None else float("nan") for _, a, _ in pl],

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from silo_core.models import ModelSpec, count_parameters  # noqa: E402
+from silo_core.rounds import RoundRecord, records_from_json  # noqa: E402
 from silo_core.tensors import assemble, decode, encode, iter_chunks, sha256_hex  # noqa: E402
 
 
@@ -57,10 +58,11 @@ def bench_codec(repeats: int = 3) -> list[dict[str, Any]]:
     return rows
 
 
-def run_sim(workdir: Path, *extra: str) -> dict[str, Any]:
+def run_sim(workdir: Path, *extra: str) -> list[RoundRecord]:
+    """The rounds of one silo-sim run (hub and silo processes over gRPC + mutual TLS)."""
     from silo_sim.inprocess import run_silo_sim
 
-    return run_silo_sim(workdir / "work", workdir / "out", list(extra))
+    return records_from_json(run_silo_sim(workdir / "work", workdir / "out", list(extra))["rounds"])
 
 
 def bench_bytes() -> list[dict[str, Any]]:
@@ -75,13 +77,12 @@ def bench_bytes() -> list[dict[str, Any]]:
                      "--option", "local_epochs=1"]
             if half:
                 extra += ["--half-precision"]
-            summary = run_sim(tmp, *extra)
-        r = summary["rounds"][0]
-        silos = r["silos_sampled"]
+            r = run_sim(tmp, *extra)[0]
+        silos = r.silos_sampled
         rows.append({"model": "small_cnn", "parameters": count_parameters(model), "raw_fp32_bytes": raw,
                      "model_sent_as": "fp16" if half else "fp32",
-                     "down_bytes_per_silo": r["bytes_down"] / silos, "up_bytes_per_silo": r["bytes_up"] / silos,
-                     "down_vs_raw": r["bytes_down"] / silos / raw, "up_vs_raw": r["bytes_up"] / silos / raw})
+                     "down_bytes_per_silo": r.bytes_down / silos, "up_bytes_per_silo": r.bytes_up / silos,
+                     "down_vs_raw": r.bytes_down / silos / raw, "up_vs_raw": r.bytes_up / silos / raw})
     return rows
 
 
@@ -100,18 +101,18 @@ def overhead_once(rounds: int, silos: int, unlabeled: int, repeats: int) -> dict
         for i in range(repeats):
             # A fresh work folder per wire run: the hub would otherwise resume from the last run's checkpoint.
             workdir = staged if i == 0 else Path(keep) / f"run-{i}"
-            summary = run_sim(workdir, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
-                              "--unlabeled", str(unlabeled))
-            wire_runs.append(summary["rounds"])
-            wire_acc = summary["rounds"][-1].get("test_accuracy")
+            wire_rounds = run_sim(workdir, "--silos", str(silos), "--rounds", str(rounds), "--workers", "1",
+                                  "--unlabeled", str(unlabeled))
+            wire_runs.append(wire_rounds)
+            wire_acc = wire_rounds[-1].scores.test_accuracy
             history = inprocess_rounds(staged / "work", rounds)
             local_runs.append(history)
-            local_acc = history[-1].get("test_accuracy")
+            local_acc = history[-1].scores.test_accuracy
     wire, local = [time_split(run) for run in wire_runs], [time_split(run) for run in local_runs]
     w, lo = median_part(wire, "total"), median_part(local, "total")
     return {"rounds": rounds, "silos": silos, "unlabeled": unlabeled, "repeats": repeats,
-            "wire_round_seconds": [[r["round_seconds"] for r in run] for run in wire_runs],
-            "inprocess_round_seconds": [[r["round_seconds"] for r in run] for run in local_runs],
+            "wire_round_seconds": [[r.round_seconds for r in run] for run in wire_runs],
+            "inprocess_round_seconds": [[r.round_seconds for r in run] for run in local_runs],
             "wire_time_split": wire, "inprocess_time_split": local,
             "wire_total_s": w, "inprocess_total_s": lo, "overhead_fraction": (w - lo) / lo,
             # What the wire adds beyond the computation both ways share, against the in-process run's time:
@@ -120,13 +121,13 @@ def overhead_once(rounds: int, silos: int, unlabeled: int, repeats: int) -> dict
             "wire_final_accuracy": wire_acc, "inprocess_final_accuracy": local_acc}
 
 
-def time_split(rounds: list[dict[str, Any]]) -> dict[str, float]:
+def time_split(rounds: list[RoundRecord]) -> dict[str, float]:
     """Where a run's round time went: the silos' local training, the hub's aggregation (its fine-tune included)
     and scoring, and everything else (over the wire: hand-out, transfers, checks, waiting)."""
-    total = sum(r["round_seconds"] for r in rounds)
-    silos = sum(r.get("silo_train_seconds", 0.0) * r.get("silos_reported", r.get("silos_sampled", 0)) for r in rounds)
-    hub = sum(r.get("aggregation_seconds", 0.0) + r.get("evaluation_seconds", 0.0) for r in rounds)
-    after_first = sum(r["round_seconds"] for r in rounds[1:])
+    total = sum(r.round_seconds for r in rounds)
+    silos = sum((r.silo_train_seconds or 0.0) * (r.silos_reported or 0) for r in rounds)
+    hub = sum((r.aggregation_seconds or 0.0) + (r.evaluation_seconds or 0.0) for r in rounds)
+    after_first = sum(r.round_seconds for r in rounds[1:])
     return {"total": total, "silo_training": silos, "hub_work": hub, "other": total - silos - hub,
             "after_round_1": after_first}
 
@@ -136,7 +137,7 @@ def median_part(runs: list[dict[str, float]], part: str) -> float:
     return statistics.median(run[part] for run in runs)
 
 
-def inprocess_rounds(work: Path, rounds: int) -> list[dict[str, Any]]:
+def inprocess_rounds(work: Path, rounds: int) -> list[RoundRecord]:
     """The rounds silo-sim ran from `work`, in one process: the same staged data, options and seed."""
     from silo_sim.cli import DEMO_OPTIONS
     from silo_sim.inprocess import replay_staged
@@ -151,13 +152,12 @@ def bench_memory(runs=(("wrn28_2", 10), ("wrn28_2", 50), ("wrn28_2", 100), ("sma
     rows = []
     for model, n in runs:
         with tempfile.TemporaryDirectory() as tmp:
-            summary = run_sim(Path(tmp), "--silos", str(n), "--rounds", "1", "--unlabeled", str(20 * n),
-                              "--model", model, "--option", "tau=0.0", "--option", "local_epochs=1",
-                              "--option", "hub_epochs=1", "--option", "silo_batch_size=20")
-        r = summary["rounds"][0]
-        rows.append({"model": model, "silos_reporting": r["silos_reported"],
-                     "hub_peak_rss_MB": r["hub_peak_rss_bytes"] / 1e6, "bytes_up_MB": r["bytes_up"] / 1e6,
-                     "collecting_growth_MB": r["collecting_rss_growth_bytes"] / 1e6})
+            r = run_sim(Path(tmp), "--silos", str(n), "--rounds", "1", "--unlabeled", str(20 * n),
+                        "--model", model, "--option", "tau=0.0", "--option", "local_epochs=1",
+                        "--option", "hub_epochs=1", "--option", "silo_batch_size=20")[0]
+        rows.append({"model": model, "silos_reporting": r.silos_reported,
+                     "hub_peak_rss_MB": r.hub_peak_rss_bytes / 1e6, "bytes_up_MB": r.bytes_up / 1e6,
+                     "collecting_growth_MB": r.collecting_rss_growth_bytes / 1e6})
     return rows
 
 

@@ -55,6 +55,7 @@ from silo_core.algorithms.base import (
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.rounds import threshold_metric
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     hub_update,
@@ -257,20 +258,20 @@ class FedSEALHub(HubAlgorithm):
             generator=seeded_generator(self.seed, round_number, 1), flip=o.flip,
         )
 
-    def _thresholds(self, model: nn.Module) -> tuple[torch.Tensor, float]:
+    def _thresholds(self, model: nn.Module) -> torch.Tensor:
         o, spec = self.options, self.model_spec
         probs = predict_logits(model, self.data.validation_images, spec.mean, spec.std, self.device).softmax(dim=1)
         labels = self.data.validation_labels
         tau = class_thresholds(probs, labels, spec.num_classes, o.threshold_denominator, o.threshold_min,
                                o.threshold_max, o.threshold_fallback)
-        return tau, float((probs.argmax(dim=1) == labels).float().mean())
+        return tau
 
     def init_state(self) -> HubState:
         o = self.options
         torch.manual_seed(self.seed)
         model = self.model_spec.build()
         loss = self._server_update(model, 1, o.hub_epochs if o.init_epochs is None else o.init_epochs)
-        tau, _ = self._thresholds(model)
+        tau = self._thresholds(model)
         return HubState(round=0, tensors={**model_tensors(model), "thresholds": tau}, meta={"hub_loss": loss})
 
     def begin_round(self, state: HubState) -> RoundPlan:
@@ -296,10 +297,12 @@ class FedSEALHub(HubAlgorithm):
         total_weight = float(summed["weight"].sum()) if "weight" in summed else 0.0
         apply_mean_delta(model, summed, total_weight)  # no silo contributed: the hub fine-tunes w_t itself
         hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs)
-        tau, val_accuracy = self._thresholds(model)
-        metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight, "validation_accuracy": val_accuracy,
+        tau = self._thresholds(model)
+        # The validation accuracy is the round record's own score: the hub (and the benchmark) score every round's
+        # served model on the same split.
+        metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight,
                    "lambda": ramp_weight(r, self.total_rounds, o.ramp_fraction, o.lambda_max)}
-        metrics.update({f"threshold_class_{m}": float(v) for m, v in enumerate(tau)})
+        metrics.update({threshold_metric(m): float(v) for m, v in enumerate(tau)})
         metrics.update(pseudo_label_metrics(summed_metrics))
         total, negatives = summed_metrics.get("pl_total", 0.0), summed_metrics.get("nl_selected", 0.0)
         if total > 0:

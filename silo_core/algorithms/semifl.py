@@ -42,6 +42,7 @@ from silo_core.algorithms.base import (
 from silo_core.augment import strong_augment, to_float, weak_augment
 from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_for
+from silo_core.rounds import PSEUDO_LABEL_ACCURACY, PSEUDO_LABEL_RATIO
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     OptimizerSettings,
@@ -174,9 +175,9 @@ def pseudo_label_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     out = {}
     total, selected = summed.get("pl_total", 0.0), summed.get("pl_selected", 0.0)
     if total > 0:
-        out["pseudo_label_ratio"] = selected / total
+        out[PSEUDO_LABEL_RATIO] = selected / total
     if selected > 0 and "pl_correct" in summed:
-        out["pseudo_label_accuracy"] = summed["pl_correct"] / selected
+        out[PSEUDO_LABEL_ACCURACY] = summed["pl_correct"] / selected
     return out
 
 

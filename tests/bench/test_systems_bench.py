@@ -3,6 +3,7 @@ consistently (the real numbers come from `python bench/systems/run.py`, not from
 
 import pytest
 
+from silo_core.rounds import RoundRecord
 from tests.bench import load_script
 
 
@@ -26,8 +27,9 @@ def test_overhead_splits_each_round_into_computation_and_the_rest_both_ways():
 
 def test_time_split_counts_every_reporting_silo_and_the_hubs_two_phases():
     bench = load_script("bench/systems/run.py", "systems_bench")
-    rounds = [{"round_seconds": 4.0, "silo_train_seconds": 0.5, "silos_reported": 4, "aggregation_seconds": 1.0,
-               "evaluation_seconds": 0.5},
-              {"round_seconds": 5.0, "silo_train_seconds": 1.0, "silos_sampled": 3, "aggregation_seconds": 1.5}]
+    rounds = [RoundRecord(round=1, round_seconds=4.0, silo_train_seconds=0.5, silos_reported=4,
+                          aggregation_seconds=1.0, evaluation_seconds=0.5),
+              RoundRecord(round=2, round_seconds=5.0, silo_train_seconds=1.0, silos_reported=3,
+                          aggregation_seconds=1.5)]
     assert bench.time_split(rounds) == {"total": 9.0, "silo_training": 5.0, "hub_work": 3.0, "other": 1.0,
                                         "after_round_1": 5.0}

@@ -83,11 +83,12 @@ def test_central_noise_has_std_z_times_c_and_the_round_is_charged():
     plan = ctl.plan_round(expected_silos=4, enrolled=10, min_contributors=2)
     assert plan.noise_std == 0.0 and ctl.mode == "central"
     summed = {"delta/w": torch.zeros(50_000, dtype=torch.float64), "weight": torch.tensor([4.0])}
-    out, metrics = ctl.finish_round(summed, contributors=4, expected_silos=4, enrolled=10)
+    out, dp = ctl.finish_round(summed, contributors=4, expected_silos=4, enrolled=10)
     assert float(out["delta/w"].std()) == pytest.approx(0.5, rel=0.02) and float(out["weight"]) == 4.0
     expected = PrivacyAccountant()
     expected.step(2.0, 0.4)
-    assert metrics["dp_epsilon"] == pytest.approx(expected.epsilon()) and metrics["dp_sample_rate"] == 0.4
+    assert dp.epsilon == pytest.approx(expected.epsilon()) and dp.sample_rate == 0.4
+    assert (dp.clip_norm, dp.noise_multiplier, dp.epsilon_budget, dp.unclipped_fraction) == (0.25, 2.0, None, None)
 
 
 def test_distributed_mode_needs_secure_aggregation_and_splits_the_noise():
@@ -165,7 +166,7 @@ def test_adaptive_clipping_tracks_the_target_quantile():
                 indicator += out[UNCLIPPED].double()
             ctl.finish_round({"delta/w": torch.zeros(1), UNCLIPPED: indicator}, 20, 20, 40)
         assert ctl.clip_norm == pytest.approx(3.0, rel=0.15), start
-        assert 0.3 < ctl.last["dp_unclipped_fraction"] < 0.7
+        assert 0.3 < ctl.last.unclipped_fraction < 0.7
 
 
 def test_silo_instructions_round_trip_and_refuse_nonsense():

@@ -67,7 +67,7 @@ def test_the_hub_waits_for_a_preparing_silo_before_it_samples(tmp_path) -> None:
     for silo, task in tasks.items():
         upload(hub, silo, task, result(1.0))
     thread.join(timeout=10)
-    assert out["state"].round == 1 and hub.history[-1]["silos_reported"] == 2
+    assert out["state"].round == 1 and hub.history[-1].silos_reported == 2
 
 
 def test_rehearsal_leaves_the_random_state_alone_and_takes_a_single_image() -> None:

@@ -75,8 +75,8 @@ def test_under_uniform_averaging_a_weight_other_than_one_is_refused(tmp_path):
     _send(hub, "b", tb, {"delta/x": torch.full((3,), 3.0), "weight": torch.ones(1)})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
-    entry = hub.history[-1]
-    assert (entry["silos_reported"], entry["silos_dropped"], entry["attempt"]) == (2, 0, 1)
+    record = hub.history[-1]
+    assert (record.silos_reported, record.silos_dropped, record.attempt) == (2, 0, 1)
 
 
 def test_a_silos_declared_images_are_fixed_at_first_join_and_its_share_is_capped(tmp_path, caplog):
@@ -100,7 +100,7 @@ def test_a_silos_declared_images_are_fixed_at_first_join_and_its_share_is_capped
     assert hub.counters["weight_capped"] == 1
     # (40 * 10 + 10 * 1 + 10 * 1) / 60 = 7, where the uncapped mean would be (10000 + 20) / 1020 = 9.82
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 7.0))
-    assert hub.history[-1]["n"] == 3.0
+    assert hub.history[-1].algorithm["n"] == 3.0
 
 
 def test_sums_stay_in_float64():
@@ -170,7 +170,7 @@ def test_honest_silos_under_secure_aggregation_pass_the_sum_checks(tmp_path):
     _wait(lambda: hub.history)
     hub.stop()
     runner.join(10)
-    assert hub.history[0]["secagg_contributors"] == 5 and "bad_aggregate" not in hub.refusals
+    assert hub.history[0].secagg.contributors == 5 and "bad_aggregate" not in hub.refusals
 
 
 # -------------------------------------------------------------------------------------------- one session each
@@ -211,8 +211,8 @@ def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
     revoked.add(3)  # c is busy training (no call the gate could refuse) when its certificate is revoked
     thread.join(30)
     assert not thread.is_alive() and time.time() - started < 10  # not the 600 s deadline
-    entry = hub.history[-1]
-    assert (entry["silos_sampled"], entry["silos_reported"], entry["attempt"]) == (3, 2, 1)
+    record = hub.history[-1]
+    assert (record.silos_sampled, record.silos_reported, record.attempt) == (3, 2, 1)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
     assert "c" not in hub.live_silos()
 
@@ -247,10 +247,10 @@ def test_secure_aggregation_survives_an_abort_and_the_abort_reason_cannot_forge_
         s.join(5)
     # 4 sampled survive 1 dropout (k = 3, t = 2), and the stage did not wait out its 30 s for the silo that left
     assert state.round == 1 and time.time() - started < 25
-    entry = hub.history[-1]
-    assert entry["secagg_contributors"] == 3 and entry["secagg_threshold"] == 2
+    record = hub.history[-1]
+    assert record.secagg.contributors == 3 and record.secagg.threshold == 2
     assert torch.allclose(state.tensors["model/x"], torch.full((D,), 0.25), atol=1e-3)  # mean of 0, 0.25, 0.5
-    assert (entry["silos_reported"], entry["silos_dropped"]) == (3, 1)
+    assert (record.silos_reported, record.silos_dropped) == (3, 1)
     gave_up = [r.getMessage() for r in caplog.records if "gave up on session" in r.getMessage()]
     assert len(gave_up) == 1 and "\n" not in gave_up[0] and "\\nFAKE LOG LINE" in gave_up[0]
     assert len(gave_up[0]) < 400  # cut, not 5,000 characters of the silo's choosing

@@ -10,6 +10,7 @@ import torch
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.models import ModelSpec
+from silo_core.rounds import Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.checkpoint import load_latest
 from silo_server.hub import Hub, Refusal
@@ -83,15 +84,18 @@ def test_a_round_sums_every_sampled_silo_and_checkpoints(tmp_path):
     thread.join(10)
     state = out["state"]
     assert torch.allclose(state.tensors["model/x"], torch.full((3,), 2.0))
-    entry = hub.history[-1]
-    assert entry["round"] == 1 and entry["silos_reported"] == 2 and entry["n"] == 2.0
-    assert "evaluation_seconds" not in entry and "silo_train_seconds" not in entry  # no test set, no such metric
-    assert entry["bytes_up"] > 0 and entry["bytes_down"] > 0
+    record = hub.history[-1]
+    assert record.round == 1 and record.silos_reported == 2 and record.algorithm == {"n": 2.0}
+    assert record.evaluation_seconds is None and record.silo_train_seconds is None  # no test set, no such metric
+    assert record.scores == Scores() and record.dp is None and record.secagg is None
+    assert record.bytes_up > 0 and record.bytes_down > 0
     # Two 3-number uploads: the collection phase's own memory growth is tiny next to the process's peak.
-    assert 0 <= entry["collecting_rss_growth_bytes"] < 50e6 < entry["hub_peak_rss_bytes"]
+    assert 0 <= record.collecting_rss_growth_bytes < 50e6 < record.hub_peak_rss_bytes
     loaded, info = load_latest(tmp_path)
     assert loaded.round == 1 and torch.allclose(loaded.tensors["model/x"], torch.full((3,), 2.0))
-    assert json.loads((tmp_path / "history.json").read_text())["rounds"][0]["round"] == 1
+    # history.json and the checkpoint hold the record's flat JSON, and read back to the same record
+    assert records_from_json(json.loads((tmp_path / "history.json").read_text())["rounds"]) == [record]
+    assert records_from_json(info["history"]) == [record]
 
 
 def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
@@ -149,7 +153,7 @@ def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying
     upload(hub, "b", second_b, result(3.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # attempt 1's 10.0 is gone
-    assert hub.history[-1]["attempt"] == 2
+    assert hub.history[-1].attempt == 2
 
 
 def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
@@ -161,9 +165,9 @@ def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
     upload(hub, "b", wait_task(hub, "b"), result(4.0), metrics={"train_seconds": 3.0})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 4.0))
-    assert hub.history[-1]["silos_skipped"] == 1
+    assert hub.history[-1].silos_skipped == 1
     # A skipping silo trained too (it found nothing to send only afterwards): its time counts in the mean.
-    assert hub.history[-1]["silo_train_seconds"] == pytest.approx(2.0)
+    assert hub.history[-1].silo_train_seconds == pytest.approx(2.0)
 
 
 def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
@@ -177,7 +181,7 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     again = make_hub(tmp_path)
     assert again.run_id == hub.run_id
     state = again.resume_or_init()
-    assert state.round == 1 and [h["round"] for h in again.history] == [1]
+    assert state.round == 1 and again.history == hub.history
     with pytest.raises(Refusal) as info:
         again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
     assert info.value.code == "FAILED_PRECONDITION"
@@ -191,17 +195,18 @@ def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tm
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, _ = start_round(hub)
-    assert hub.initial == {"validation_accuracy": 0.0, "test_accuracy": 0.0}  # scored before any silo trained
+    assert hub.initial == Scores(test_accuracy=0.0, validation_accuracy=0.0)  # scored before any silo trained
     for s in ("a", "b"):
         upload(hub, s, wait_task(hub, s), result(0.5))
     thread.join(10)
     saved = json.loads((tmp_path / "history.json").read_text())
-    assert saved["initial"] == {"validation_accuracy": 0.0, "test_accuracy": 0.0}
-    assert [(h["round"], h["test_accuracy"], h["validation_accuracy"]) for h in saved["rounds"]] == [(1, 0.5, 0.5)]
-    assert 0 <= saved["rounds"][0]["evaluation_seconds"] <= saved["rounds"][0]["round_seconds"]
+    assert saved["initial"] == {"validation_accuracy": 0.0, "test_accuracy": 0.0}  # the file's flat layout
+    (record,) = records_from_json(saved["rounds"])
+    assert (record.round, record.scores) == (1, Scores(test_accuracy=0.5, validation_accuracy=0.5))
+    assert 0 <= record.evaluation_seconds <= record.round_seconds
     again = make_hub(tmp_path, evaluate=score, validate=score)
     again.resume_or_init()
-    assert again.initial == saved["initial"]  # not re-scored from the resumed model
+    assert again.initial == hub.initial  # not re-scored from the resumed model
 
 
 class TwoGroups(MeanOfSilos):

@@ -6,14 +6,20 @@ import sys
 import urllib.request
 
 import pytest
+import torch
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from security.dp import DPConfig, DPController
 from security.pki import init_ca, issue_hub, issue_silo
+from silo_core.rounds import RoundRecord, Scores, SecAggRound, threshold_metric
 from silo_server.hub import Refusal
 from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
+from silo_server.privacy import PrivacySection
 from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
+from tests.silo_server.test_privacy import Silo as PrivateSilo
+from tests.silo_server.test_privacy import make as make_private_hub
 
 
 def samples(metrics: HubMetrics) -> dict[tuple[str, tuple], float]:
@@ -63,7 +69,7 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
         upload(hub, "a", ta, result(1.0))  # duplicate: refused and counted
     upload(hub, "b", tb, {}, skipped=True)
     thread.join(timeout=10)
-    assert out["state"].round == 1 and [e["round"] for e in seen] == [1]
+    assert out["state"].round == 1 and [e.round for e in seen] == [1] and seen == hub.history
 
     after = samples(m)
     assert after[("silokit_hub_rounds_completed", ())] == 1
@@ -93,25 +99,34 @@ def test_no_class_threshold_gauge_when_each_silo_computes_its_own(tmp_path):
     assert shown == {"fixed": [0.9] * 3, "freematch": []}  # the hub cannot know the silos' own thresholds
 
 
-def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
+def test_round_records_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)
+    # The DP part comes from the controller that produces it in a real round, not from keys written here.
+    dp = DPController(DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=1.0, epsilon_budget=8.0),
+                      secure_aggregation=False, seed=0)
+    spent = []
     for r, acc in ((1, 0.70), (2, 0.62)):
-        entry = {"round": r, "test_accuracy": acc, "test_loss": 1.0 - acc, "round_seconds": 3.0 * r,
-                 "aggregation_seconds": 0.2, "evaluation_seconds": 0.4, "silo_train_seconds": 1.5 * r,
-                 "silos_sampled": 3, "silos_reported": 2, "silos_dropped": 1,
-                 "threshold_class_0": 0.91, "threshold_class_1": 0.85, "epsilon_spent": 2.5 * r,
-                 "epsilon_budget": 8.0, "secagg_share_keys_seconds": 0.3, "secagg_recoveries": 1}
-        hub.history.append(entry)
-        hub.on_round(entry)
+        _, charged = dp.finish_round({"delta/x": torch.zeros(3)}, contributors=2, expected_silos=3, enrolled=3)
+        spent.append(charged.epsilon)
+        secagg = SecAggRound(sampled=3, advertised=3, u1=3, u2=3, u3=2, u4=2, degree=2, threshold=2, bytes_in=10,
+                             bytes_out=20, stage_seconds={"share_keys": 0.3})
+        record = RoundRecord(
+            round=r, scores=Scores(test_accuracy=acc, test_loss=1.0 - acc), round_seconds=3.0 * r,
+            aggregation_seconds=0.2, evaluation_seconds=0.4, silo_train_seconds=1.5 * r, silos_sampled=3,
+            silos_reported=2, silos_dropped=1, dp=charged, secagg=secagg,
+            algorithm={threshold_metric(0): 0.91, threshold_metric(1): 0.85})
+        hub.history.append(record)
+        hub.on_round(record)
     s = samples(m)
     assert s[("silokit_hub_test_accuracy_ratio", ())] == pytest.approx(0.62)
     assert s[("silokit_hub_test_accuracy_previous_ratio", ())] == pytest.approx(0.70)
     assert s[("silokit_hub_class_threshold", (("class", "0"),))] == pytest.approx(0.91)
     assert s[("silokit_hub_class_threshold", (("class", "1"),))] == pytest.approx(0.85)
-    assert s[("silokit_hub_dp_epsilon_spent", ())] == 5.0 and s[("silokit_hub_dp_epsilon_budget", ())] == 8.0
+    assert 0 < spent[0] < spent[1] == s[("silokit_hub_dp_epsilon_spent", ())]
+    assert s[("silokit_hub_dp_epsilon_budget", ())] == 8.0 and s[("silokit_hub_dp_delta", ())] == 1e-5
     assert s[("silokit_hub_secagg_stage_duration_seconds_count", (("stage", "share_keys"),))] == 2
-    assert s[("silokit_hub_secagg_recoveries_total", ())] == 2
+    assert s[("silokit_hub_secagg_recoveries_total", ())] == 2  # u2 - u3 in each round
     assert s[("silokit_hub_silo_dropouts_total", ())] == 2
     assert s[("silokit_hub_round_duration_seconds_sum", ())] == pytest.approx(9.0)
     assert s[("silokit_hub_evaluation_duration_seconds_sum", ())] == pytest.approx(0.8)
@@ -120,13 +135,31 @@ def test_round_entries_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
 
 
+def test_a_dp_run_through_the_hub_core_exports_the_epsilon_it_spent_and_its_budget(tmp_path):
+    """The privacy layer, the hub and the exporter together: what the hub charged is what the gauges show."""
+    section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=200.0, epsilon_budget=20.0))
+    hub = make_private_hub(tmp_path, section, rounds=2, quorum=1.0)
+    m = HubMetrics(hub)
+    silos = [PrivateSilo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
+    for silo in silos:
+        silo.start()
+    hub.run()
+    for silo in silos:
+        silo.join(5)
+    s = samples(m)
+    assert [r.round for r in hub.history] == [1, 2]
+    assert s[("silokit_hub_dp_epsilon_spent", ())] == hub.history[-1].dp.epsilon == hub.privacy.dp.epsilon() > 0
+    assert s[("silokit_hub_dp_epsilon_budget", ())] == 20.0 and s[("silokit_hub_dp_delta", ())] == 1e-5
+    assert s[("silokit_hub_aggregation_duration_seconds_count", ())] == 2  # timed under DP too
+
+
 def test_the_initial_models_test_accuracy_is_exported_beside_the_last_rounds(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)
     unscored = samples(m)[("silokit_hub_initial_test_accuracy_ratio", ())]
     assert unscored != unscored  # NaN: no test set, or not scored yet
-    hub.initial = {"test_accuracy": 0.64, "test_loss": 1.07}
-    hub.history.append({"round": 1, "test_accuracy": 0.71})
+    hub.initial = Scores(test_accuracy=0.64, test_loss=1.07)
+    hub.history.append(RoundRecord(round=1, scores=Scores(test_accuracy=0.71)))
     s = samples(m)
     assert s[("silokit_hub_initial_test_accuracy_ratio", ())] == pytest.approx(0.64)
     assert s[("silokit_hub_test_accuracy_ratio", ())] == pytest.approx(0.71)
@@ -140,7 +173,7 @@ def test_validation_rounds_feed_the_best_round_gauges(tmp_path):
     best = s[("silokit_hub_best_validation_accuracy_ratio", ())]
     assert best != best  # NaN
     for r, acc in ((1, 0.70), (2, 0.78), (3, 0.74), (4, 0.78), (5, 0.71)):
-        hub.history.append({"round": r, "validation_accuracy": acc})
+        hub.history.append(RoundRecord(round=r, scores=Scores(validation_accuracy=acc)))
     s = samples(m)
     assert s[("silokit_hub_validation_accuracy_ratio", ())] == pytest.approx(0.71)
     assert s[("silokit_hub_best_round", ())] == 4  # a tie goes to the later round, as the hub keeps it
@@ -154,7 +187,7 @@ def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_pa
     hub.join("chatty", 5, 0, "cpu")
     for r in (1, 2, 3):
         hub.silos["chatty"].last_seen = 1e12  # heard from after every round
-        m.on_round({"round": r})
+        m.on_round(RoundRecord(round=r))
     s = samples(m)
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "chatty"),))] == 0

@@ -110,15 +110,17 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     state = hub.run()
     for s in silos:
         s.join(5)
-    entry = hub.history[-1]
+    secagg = hub.history[-1].secagg
     # complete graph on 5: k = 4, t = 3; s3 shared its keys then vanished: its pair masks were removed
-    assert entry["secagg_degree"] == 4 and entry["secagg_threshold"] == 3
-    assert entry["secagg_u2"] == 5 and entry["secagg_u3"] == 4 and entry["secagg_contributors"] == 4
+    assert secagg.degree == 4 and secagg.threshold == 3
+    assert secagg.u2 == 5 and secagg.u3 == 4 and secagg.contributors == 4 and secagg.recoveries == 1
+    assert set(secagg.stage_seconds) == {"advertise_keys", "share_keys", "masked_input", "unmasking"}
+    assert all(0 <= seconds < 30 for seconds in secagg.stage_seconds.values())
     mean = (1 + 2 + 3 + 5) / 4
     error = (state.tensors["model/x"] - mean).abs().max()
     level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
-    assert hub.history[-1]["silos_reported"] == 5 and all(not s.refused for s in silos)
+    assert hub.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
 
 
 class OversizedMaskedInput(Silo):
@@ -156,7 +158,7 @@ def test_secure_aggregation_messages_wait_for_the_upload_budget_and_cannot_overs
     # header, before a byte of it was read, and the round went on without it.
     assert 4 * D < hub.upload_budget.peak <= masked_bytes and hub.upload_budget.held == 0
     assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0  # it retried until the stage closed
-    assert hub.history[-1]["secagg_u3"] == 4 and hub.history[-1]["secagg_contributors"] == 4
+    assert hub.history[-1].secagg.u3 == 4 and hub.history[-1].secagg.contributors == 4
     assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
 
 
@@ -175,7 +177,7 @@ def test_an_operators_smaller_upload_cap_still_bounds_secure_aggregation_message
         s.join(5)
     assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0
     assert all(not s.refused for s in silos[:4])  # honest masked inputs fit under the cap
-    assert hub.history[-1]["secagg_u3"] == 4 and hub.history[-1]["secagg_contributors"] == 4
+    assert hub.history[-1].secagg.u3 == 4 and hub.history[-1].secagg.contributors == 4
     assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
 
 
@@ -203,7 +205,7 @@ def test_a_hub_restart_mid_protocol_reruns_the_round_with_fresh_keys(tmp_path):
         s.hub = second
         s.release.set()
     state = second.run()
-    assert state.round == 1 and second.history[-1]["secagg_contributors"] == 5
+    assert state.round == 1 and second.history[-1].secagg.contributors == 5
     assert torch.allclose(state.tensors["model/x"], torch.full((D,), 2.0), atol=1e-4)  # mean of 0..4, once
     assert all(s.privacy.pending.get(old_session) is None for s in silos)
 
@@ -254,11 +256,12 @@ def test_dp_epsilon_is_logged_checkpointed_resumed_and_stops_at_the_budget(tmp_p
     for s in silos:
         s.join(5)
     assert state.round == 2 and "privacy budget" in hub.stopped_reason  # a third round would exceed it
-    eps = [h["dp_epsilon"] for h in hub.history]
+    eps = [h.dp.epsilon for h in hub.history]
     assert eps[0] < eps[1] <= dp.epsilon_budget and eps[1] == pytest.approx(probe.epsilon())
     # distributed noise: each of 5 silos added N(0, (z C)^2 / 5); the mean of the 5 carries std z C / 5
-    first = hub.history[0]
-    assert first["dp_noise_multiplier"] == z and first["dp_sample_rate"] == 1.0
+    first = hub.history[0].dp
+    assert (first.noise_multiplier, first.sample_rate, first.clip_norm) == (z, 1.0, clip)
+    assert (first.delta, first.epsilon_budget) == (dp.delta, dp.epsilon_budget)
     _, info = load_latest(tmp_path)
     assert info["privacy"]["dp"]["accountant"]["history"] == [[1.0, 1.0, 2]]
 
@@ -290,7 +293,7 @@ def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
     state = hub.run()
     assert hub.privacy.dp.mode == "central"
     assert float((state.tensors["model/x"] - 0.75).std()) == pytest.approx(0.5 * 200.0 / 5, rel=0.06)
-    assert hub.history[0]["dp_epsilon"] > 0
+    assert hub.history[0].dp.epsilon > 0 and hub.history[0].secagg is None
 
 
 def test_every_privacy_key_is_documented_and_validated():

@@ -30,7 +30,7 @@ def test_a_count_samples_exactly_that_many_silos_and_a_quorum_count_needs_that_m
     (only,) = task.sampled
     upload(hub, only, wait_task(hub, only), result(6.0))
     thread.join(10)
-    assert not thread.is_alive() and hub.history[-1]["silos_reported"] == 1 and hub.history[-1]["attempt"] == 1
+    assert not thread.is_alive() and hub.history[-1].silos_reported == 1 and hub.history[-1].attempt == 1
     assert out["state"].round == 1
 
 
@@ -39,8 +39,8 @@ def test_one_report_of_two_is_enough_with_quorum_silos_1_at_the_deadline(tmp_pat
     first = sorted(hub.task.sampled)[0]
     upload(hub, first, wait_task(hub, first), result(2.0))  # the other sampled silo never reports
     thread.join(10)
-    entry = hub.history[-1]
-    assert (entry["silos_reported"], entry["attempt"]) == (1, 1)  # applied at the deadline, not retried
+    record = hub.history[-1]
+    assert (record.silos_reported, record.attempt) == (1, 1)  # applied at the deadline, not retried
 
 
 @pytest.mark.parametrize("fraction, live, sampled", [(1.0, 3, 3), (0.5, 3, 1), (0.29, 100, 29), (0.01, 3, 1)])

@@ -2,6 +2,7 @@
 
 import pytest
 
+from silo_core.rounds import DPRound, RoundRecord, Scores
 from silo_sim.cli import apply_hub_settings
 
 
@@ -33,7 +34,7 @@ def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
 
     from silo_sim.cli import summary_table
 
-    history = [{"round": r, "test_accuracy": t, "validation_accuracy": v}
+    history = [RoundRecord(round=r, scores=Scores(test_accuracy=t, validation_accuracy=v))
                for r, t, v in ((1, 0.61, 0.70), (2, 0.66, 0.78), (3, 0.64, 0.75))]
     console = Console(width=160, record=True)
     console.print(summary_table(history, None, "semifl"))
@@ -41,8 +42,21 @@ def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
     assert "0.7800*" in text and "0.7500*" not in text and "0.7000*" not in text
     assert "best round on the hub's validation split: 2" in text
     console = Console(width=160, record=True)
-    console.print(summary_table([{"round": 1, "test_accuracy": 0.5}], None, "semifl"))
-    assert "val acc" not in console.export_text()  # no validation split, no column
+    console.print(summary_table([RoundRecord(round=1, scores=Scores(test_accuracy=0.5))], None, "semifl"))
+    text = console.export_text()
+    assert "val acc" not in text and "epsilon" not in text  # no validation split, no DP: no such columns
+
+
+def test_the_summary_shows_the_privacy_spent_against_the_budget():
+    from rich.console import Console
+
+    from silo_sim.cli import summary_table
+
+    dp = DPRound(epsilon=4.7285, delta=1e-5, epsilon_budget=7.5, noise_multiplier=1.0, sample_rate=1.0, clip_norm=0.05)
+    console = Console(width=160, record=True)
+    console.print(summary_table([RoundRecord(round=1, scores=Scores(test_accuracy=0.5), dp=dp)], None, "semifl"))
+    text = console.export_text()
+    assert "epsilon" in text and "4.73 / 7.5" in text
 
 
 def test_silo_sim_refuses_a_secure_federation_too_small_for_its_dropout_tolerance():

@@ -1,0 +1,235 @@
+"""One round's record: the numbers a completed round leaves behind, typed, for everything that reads them.
+
+The hub (`silo_server/hub.py`) and the in-process runner (`silo_sim/inprocess.py`) build a `RoundRecord` per round;
+the hub's history and checkpoint, the Prometheus exporter (`silo_server/metrics.py`), silo-sim's table and
+summary.json and the benchmarks read its fields. A value that crosses components is named once, here, so a producer
+and a reader cannot drift apart on a key (the DP gauges once read `epsilon_spent` while the hub wrote `dp_epsilon`).
+
+On disk a record is one flat JSON object (history.json, the checkpoint's state.json, summary.json, bench results):
+`to_json` writes the layout these files had before the record existed and leaves out what is None, and `from_json`
+reads every file written since, so old state folders and committed results still load. The nested parts keep their
+prefixes there: `dp_*` (`DPRound`), `secagg_*` (`SecAggRound`); any other key is one of the algorithm's own metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+# Algorithm metrics that other components read (the exporter, silo-sim's table, the benchmark's plots). Algorithms
+# name them through these constants, so that the names live in one place.
+PSEUDO_LABEL_RATIO = "pseudo_label_ratio"  # share of the silos' images whose pseudo-label passed the threshold
+PSEUDO_LABEL_ACCURACY = "pseudo_label_accuracy"  # share of those that were right (simulation only)
+_THRESHOLD = re.compile(r"^threshold_class_(\d+)$")
+
+
+def threshold_metric(k: int) -> str:
+    """The algorithm metric that carries class k's pseudo-label threshold (FedSEAL's per-class thresholds)."""
+    return f"threshold_class_{k}"
+
+
+# Keys that older files use for a field the record now names otherwise (bench/privacy's DP runs wrote `epsilon`).
+LEGACY_KEYS = {"epsilon": "dp_epsilon"}
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"round record: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _count(value: Any, key: str) -> int:
+    number = _number(value, key)
+    if not number.is_integer():
+        raise ValueError(f"round record: {key} must be a whole number, got {value!r}")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A model's scores on the hub's test set and validation split (None where the hub has no such data or did not
+    score that round). Also the initial model's scores, before round 1."""
+
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    validation_accuracy: float | None = None
+    validation_loss: float | None = None
+
+    @classmethod
+    def measured(cls, test: Mapping[str, float] | None = None,
+                 validation: Mapping[str, float] | None = None) -> Scores:
+        """From silo_core.training.evaluate's results ({"accuracy", "loss"}) on each split."""
+        test, validation = test or {}, validation or {}
+        return cls(test.get("accuracy"), test.get("loss"), validation.get("accuracy"), validation.get("loss"))
+
+    def to_json(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Scores:
+        return cls(**{f.name: _number(d[f.name], f.name) for f in fields(cls) if d.get(f.name) is not None})
+
+
+@dataclass(frozen=True)
+class DPRound:
+    """Client-level differential privacy after a round (security/dp.py, DPController.finish_round). Fields other than
+    epsilon are None only in results written before they were recorded."""
+
+    epsilon: float  # spent so far in the run, at delta
+    delta: float | None = None
+    epsilon_budget: float | None = None  # privacy.dp.epsilon_budget; None: no budget
+    noise_multiplier: float | None = None  # z, what the accountant was charged
+    sample_rate: float | None = None  # q, silos sampled / enrolled
+    clip_norm: float | None = None  # C this round (it moves with adaptive clipping)
+    unclipped_fraction: float | None = None  # adaptive clipping's noisy estimate
+
+    def to_json(self) -> dict[str, float]:
+        return {f"dp_{f.name}": getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DPRound:
+        return cls(**{f.name: _number(d[f"dp_{f.name}"], f"dp_{f.name}") for f in fields(cls)
+                      if d.get(f"dp_{f.name}") is not None})
+
+
+@dataclass(frozen=True)
+class SecAggRound:
+    """A securely aggregated round (security/secagg: the session's sets and costs; silo_server/privacy.py: timings).
+    U1..U4 are the silos left after each stage (Bonawitz et al. 2017): U3 sent masked inputs and is summed."""
+
+    sampled: int
+    advertised: int
+    u1: int
+    u2: int
+    u3: int
+    u4: int
+    degree: int  # k, neighbours each silo masks with
+    threshold: int  # t, shares needed to recover a secret
+    bytes_in: int
+    bytes_out: int
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # advertise_keys, share_keys, masked_input, unmasking
+
+    @property
+    def contributors(self) -> int:
+        return self.u3
+
+    @property
+    def recoveries(self) -> int:
+        """Silos that dropped after sharing their keys: the hub rebuilt their pair masks from the others' shares."""
+        return self.u2 - self.u3
+
+    _COUNTS = ("sampled", "advertised", "u1", "u2", "u3", "u4", "degree", "threshold", "bytes_in", "bytes_out")
+
+    def to_json(self) -> dict[str, float]:
+        out: dict[str, float] = {f"secagg_{name}": getattr(self, name) for name in self._COUNTS}
+        out["secagg_contributors"] = self.contributors  # kept for readers of older history.json files
+        out.update({f"secagg_{stage}_seconds": s for stage, s in self.stage_seconds.items()})
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SecAggRound:
+        stages = {m.group(1): _number(v, k) for k, v in d.items() if (m := _SECAGG_STAGE.match(k))}
+        return cls(**{name: _count(d[f"secagg_{name}"], f"secagg_{name}") for name in cls._COUNTS},
+                   stage_seconds=stages)
+
+
+_SECAGG_STAGE = re.compile(r"^secagg_([a-z][a-z0-9_]*)_seconds$")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """Everything a completed round reports. None: not measured in this round or by this runner (the in-process
+    runner has no bytes on the wire; a hub-only algorithm samples no silos; DP and secure aggregation may be off)."""
+
+    round: int
+    scores: Scores = field(default_factory=Scores)
+    # participation
+    silos_sampled: int | None = None
+    silos_reported: int | None = None  # reported a result or a skip (and did not abort afterwards)
+    silos_skipped: int | None = None  # reported that nothing passed their threshold
+    silos_dropped: int | None = None  # sampled but did not report
+    silos_contributed: int | None = None  # whose update is in the sums (the in-process runner)
+    attempt: int | None = None  # >1 after below-quorum retries
+    bytes_up: int | None = None
+    bytes_down: int | None = None
+    # timing
+    round_seconds: float | None = None
+    aggregation_seconds: float | None = None  # sums to next model (unmask, average, hub fine-tune, sBN)
+    evaluation_seconds: float | None = None  # scoring on the validation split and test set
+    silo_train_seconds: float | None = None  # mean local training time of the reporting silos
+    silo_train_loss: float | None = None  # mean local training loss of the contributing silos
+    # memory
+    hub_peak_rss_bytes: int | None = None
+    collecting_rss_growth_bytes: int | None = None  # the hub's RSS growth while silos downloaded and uploaded
+    # privacy
+    dp: DPRound | None = None
+    secagg: SecAggRound | None = None
+    # the algorithm's own metrics (hub_loss, aggregated_weight, pseudo-label ratio, per-class thresholds, ...)
+    algorithm: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clash = sorted(k for k in self.algorithm if _reserved(k))
+        if clash:
+            raise ValueError(f"round {self.round}: algorithm metrics {clash} reuse names the round record types")
+
+    # -- algorithm metrics other components read
+    @property
+    def pseudo_label_ratio(self) -> float | None:
+        return self.algorithm.get(PSEUDO_LABEL_RATIO)
+
+    @property
+    def pseudo_label_accuracy(self) -> float | None:
+        return self.algorithm.get(PSEUDO_LABEL_ACCURACY)
+
+    @property
+    def class_thresholds(self) -> dict[int, float]:
+        """Per-class thresholds the algorithm reported for this round (FedSEAL), by class index."""
+        return dict(sorted((int(m.group(1)), v) for k, v in self.algorithm.items() if (m := _THRESHOLD.match(k))))
+
+    # -- the flat JSON layout
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"round": self.round, **self.algorithm, **self.scores.to_json()}
+        out.update({name: getattr(self, name) for name in _PLAIN if getattr(self, name) is not None})
+        if self.dp is not None:
+            out.update(self.dp.to_json())
+        if self.secagg is not None:
+            out.update(self.secagg.to_json())
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RoundRecord:
+        d = {LEGACY_KEYS.get(k, k): v for k, v in d.items()}
+        plain: dict[str, Any] = {}
+        for name, kind in _PLAIN.items():
+            if d.get(name) is not None:
+                plain[name] = _count(d[name], name) if kind is int else _number(d[name], name)
+        algorithm = {k: _number(v, k) for k, v in d.items() if not _reserved(k) and v is not None}
+        return cls(
+            round=_count(d["round"], "round"), scores=Scores.from_json(d),
+            dp=DPRound.from_json(d) if d.get("dp_epsilon") is not None else None,
+            secagg=SecAggRound.from_json(d) if d.get("secagg_u3") is not None else None,
+            algorithm=algorithm, **plain)
+
+
+# The record's top-level numbers and their types, as they appear in the flat JSON.
+_PLAIN: dict[str, type] = {name: kind for name, hint in get_type_hints(RoundRecord).items()
+                           for kind in (int, float) if hint == kind | None}
+_SCORES = frozenset(f.name for f in fields(Scores))
+
+
+def _reserved(key: str) -> bool:
+    """Whether a flat JSON key belongs to the record itself rather than to the algorithm's metrics."""
+    return key == "round" or key in _PLAIN or key in _SCORES or key.startswith(("dp_", "secagg_"))
+
+
+def records_from_json(rows: Iterable[Mapping[str, Any]]) -> list[RoundRecord]:
+    """A history as stored (history.json's "rounds", summary.json's "rounds", a bench cell's "history")."""
+    return [RoundRecord.from_json(row) for row in rows]
+
+
+def nan_if_none(value: float | None) -> float:
+    """For gauges and tables: an unknown value shows as a gap (NaN), never as a false zero."""
+    return math.nan if value is None else value
