@@ -305,8 +305,9 @@ class HubApp:
             self.export(state)
             self.done_at = time.time()
             linger_until = time.time() + self.config.server.linger_s
+            stay_until = time.time() + min(self.config.server.min_linger_s, self.config.server.linger_s)
             while time.time() < linger_until and not self.hub.stop_event.is_set():
-                if not self._silos_still_waiting():
+                if time.time() >= stay_until and not self._silos_still_waiting():
                     break
                 time.sleep(0.2)
             if self.metrics is not None and self.metrics.server is not None:
@@ -316,10 +317,9 @@ class HubApp:
             self.stop()
 
     def _silos_still_waiting(self) -> bool:
-        # After the final round, silos learn DONE on their next poll; serve until each live one has polled since the
-        # export (in practice the whole server.linger_s, which also leaves time for last scrapes of every party).
-        recent = [r for r in self.hub.silos.values() if time.time() - r.last_seen < self.config.rounds.liveness_s]
-        return any(r.last_seen < self.done_at for r in recent)
+        # After the final round every waiting silo hears DONE at once (its long-poll is answered); the hub stays
+        # only until each live silo has heard it, or for server.linger_s at most.
+        return bool(self.hub.silos_not_told_done())
 
     # -------------------------------------------------------------- the result
     def export(self, state: HubState) -> Path:

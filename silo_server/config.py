@@ -85,8 +85,10 @@ class ServerSection(StrictConfig):
                                            "long after it opens is refused (DEADLINE_EXCEEDED)")
     upload_idle_s: float = Field(60.0, gt=0, le=3600, description="an upload that sends no chunk for this long is "
                                  "refused (DEADLINE_EXCEEDED)")
-    linger_s: float = Field(15.0, ge=0, le=DAY_S,
-                            description="keep serving this long after the run so silos learn it ended")
+    linger_s: float = Field(15.0, ge=0, le=DAY_S, description="after the run, keep answering until every live silo "
+                            "has heard it is over, at most this long")
+    min_linger_s: float = Field(0.0, ge=0, le=DAY_S, description="and at least this long (e.g. for a Prometheus "
+                                "to scrape the final state of a short run)")
 
 
 class DataSection(StrictConfig):

@@ -80,6 +80,7 @@ class SiloRecord:
     polling: int = 0  # NextTask calls held open right now: a silo waiting in a long-poll is live
     # Left a round without reporting (dropped out, aborted, was refused): not sampled again until it polls again.
     dropped: bool = False
+    told_done: bool = False  # has heard that the run is over
 
 
 @dataclass
@@ -433,6 +434,9 @@ class Hub:
 
     def _task_for(self, silo_id: str) -> TaskView:
         if self.phase in ("done", "failed"):
+            record = self.silos.get(silo_id)
+            if record is not None:
+                record.told_done = True
             return TaskView("DONE", message=f"run {self.phase}")
         t = self.task
         if t and t.open and silo_id in t.sampled and silo_id not in t.reported:
@@ -634,6 +638,11 @@ class Hub:
             return min(sampled, self.quorum_silos)
         # Rounded before the ceiling: 0.55 * 100 is 55.00000000000001, which must need 55 reports, not 56.
         return max(1, math.ceil(round(self.quorum * sampled, 9)))
+
+    def silos_not_told_done(self) -> list[str]:
+        """Silos still live that have not heard the run is over (the app waits for them, up to server.linger_s)."""
+        with self.cond:
+            return sorted(s for s, r in self.silos.items() if not r.told_done and self._is_live(r))
 
     def _set_phase(self, phase: str) -> None:
         with self.cond:

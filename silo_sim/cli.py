@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": {"name": args.model, "image_size": 28, "in_channels": 1},
             "wire": {"half_precision": args.half_precision},
             # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
-            **({"server": {"linger_s": 30.0}} if getattr(args, "prometheus_targets", None) else {}),
+            **({"server": {"linger_s": 30.0, "min_linger_s": 30.0}} if getattr(args, "prometheus_targets", None)
+               else {}),
             "rounds": {"total": args.rounds, "min_silos": args.silos, "deadline_s": 900, **rounds_sampling(args)},
         }
         apply_hub_settings(hub_config, args.hub_set)

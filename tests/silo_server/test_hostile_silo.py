@@ -302,3 +302,19 @@ def test_a_restarted_hub_keeps_each_silos_first_declared_count(tmp_path):
     assert restarted.load_state().round == 1
     restarted.join("a", 10**9, 0, "cpu")  # after the restart it claims more
     assert restarted.silos["a"].declared_images == 10
+
+
+def test_the_hub_knows_when_every_live_silo_has_heard_the_run_is_over(tmp_path):
+    hub = make_hub(tmp_path, total_rounds=1, min_silos=2)
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    runner = threading.Thread(target=hub.run, daemon=True)
+    runner.start()
+    for s in ("a", "b"):
+        _send(hub, s, wait_task(hub, s), {"delta/x": torch.ones(3), "weight": torch.ones(1)})
+    runner.join(10)
+    assert hub.phase == "done" and hub.silos_not_told_done() == ["a", "b"]
+    assert hub.next_task("a", hub.run_id, wait_s=5).kind == "DONE"
+    assert hub.silos_not_told_done() == ["b"]  # the app lingers only for b now, not for server.linger_s
+    hub.next_task("b", hub.run_id, wait_s=5)
+    assert hub.silos_not_told_done() == []
