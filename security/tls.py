@@ -253,9 +253,47 @@ def hub_certificate(target: str, context: ssl.SSLContext, timeout_s: float = 10.
     with socket.create_connection((host, port), timeout=timeout_s) as raw:
         with context.wrap_socket(raw, server_hostname=host) as conn:
             der = conn.getpeercert(binary_form=True)
+            # Under TLS 1.3 the hub judges our certificate after our side of the handshake is done: say hello as an
+            # HTTP/2 client would and read its first frame, so a hub that refuses our certificate shows up here as
+            # an alert (ssl.SSLError), not later as a retried UNAVAILABLE.
+            conn.sendall(_H2_PREFACE)
+            conn.settimeout(min(timeout_s, 5.0))
+            try:
+                conn.recv(9)
+            except TimeoutError:
+                pass  # said nothing, refused nothing: gRPC's own call will tell
     if der is None:
         raise ssl.SSLError(f"the hub at {target} presented no certificate")
     return x509.load_der_x509_certificate(der)
+
+
+# HTTP/2 client connection preface and an empty SETTINGS frame: enough for a gRPC server to answer with its own.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def describe_tls_failure(err: ssl.SSLError, target: str) -> str | None:
+    """A verification failure that will not fix itself, as one line naming the cause and the fix; None when the
+    error may be transient (a reset, a timeout)."""
+    if isinstance(err, ssl.SSLCertVerificationError):
+        why = err.verify_message or str(err)
+        if "issuer" in why or "self-signed" in why or "self signed" in why:
+            fix = ("--certs holds a bundle from another CA than the hub's: ask the federation's operator for a bundle "
+                   "issued by its CA")
+        elif "Hostname mismatch" in why or "IP address mismatch" in why:
+            fix = (f"--hub {target} names a host the hub's certificate does not list: dial one of its names, or have "
+                   "the operator reissue it (`silo-certs renew hub --dns/--ip`)")
+        elif "expired" in why:
+            fix = "the hub's certificate has expired: its operator must renew it (`silo-certs renew hub`)"
+        else:
+            fix = "check that --certs and --hub belong to this federation"
+        return f"the hub at {target} presents a certificate this silo cannot verify ({why}); {fix}"
+    reason = (getattr(err, "reason", None) or "").upper()
+    if "ALERT" in reason and any(word in reason for word in ("CERTIFICATE", "UNKNOWN_CA", "BAD_CERTIFICATE",
+                                                             "ACCESS_DENIED", "DECRYPT_ERROR")):
+        return (f"the hub at {target} refused this silo's certificate ({reason.lower()}): it is not from the "
+                "hub's CA, has expired or is not a silo certificate; check --certs, or ask the federation's "
+                "operator for a new bundle (`silo-certs renew NAME`)")
+    return None
 
 
 def peer_identity(context: grpc.ServicerContext) -> str | None:

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from security.grpc_logs import quiet_grpc_core
+
+    quiet_grpc_core(args.verbose)  # before anything imports grpc
     from security.tls import TlsError
     from silo_client.client import SiloClient, SiloError, SiloSettings
     from silo_core.data import DataError

@@ -24,7 +24,13 @@ import torch
 
 from security.crl import CrlError, RevocationList
 from security.pki import BUNDLE_CA, BUNDLE_CRL
-from security.tls import hub_certificate, hub_tls_context, insecure_dev_channel, secure_channel
+from security.tls import (
+    describe_tls_failure,
+    hub_certificate,
+    hub_tls_context,
+    insecure_dev_channel,
+    secure_channel,
+)
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.privacy import SiloPrivacy, upload_stage
@@ -60,6 +66,11 @@ class HubCertificateUnchecked(Exception):
     """The hub's certificate could not be fetched to check it against the revocation list (the silo retries)."""
 
 
+class HubTlsRefused(HubCertificateUnchecked):
+    """A TLS verification failure that will not fix itself (another CA, a host the certificate does not name, an
+    expired certificate on either side): the silo gives up after a short grace, saying the cause and the fix."""
+
+
 @dataclass
 class SiloSettings:
     hub: str
@@ -68,6 +79,7 @@ class SiloSettings:
     device: str = "auto"
     state_dir: Path | None = None
     connect_timeout_s: float = 300.0  # give up when the hub has been unreachable this long (0: never)
+    tls_refused_grace_s: float = 30.0  # ...or when the TLS handshake has been refused for certain this long
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
     name: str = ""  # for log lines; identity itself comes from the certificate
     labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
@@ -172,7 +184,10 @@ class SiloClient:
         else:
             self.channel = secure_channel(settings.hub, settings.certs, options=options)
         self.revocations = self._revocation_list()
-        self.hub_tls = hub_tls_context(settings.certs) if self.revocations is not None else None
+        # A handshake of our own before joining: it checks the hub's certificate against the CRL, and tells a
+        # verification failure that will not fix itself from a hub that is merely away.
+        self.hub_tls = hub_tls_context(settings.certs) if settings.certs is not None and not \
+            settings.insecure_dev_silo_id else None
         self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
@@ -204,13 +219,16 @@ class SiloClient:
         before a round's download once a minute, so a key stolen from the hub is refused within a minute of the
         new crl.pem reaching the silo. HubCertificateUnchecked when the hub cannot be reached or does not pass
         verification (the caller retries)."""
-        if self.revocations is None or self.hub_tls is None:
+        if self.hub_tls is None:
             return
         if time.monotonic() - self.hub_checked_at < unless_checked_within_s:
             return
         try:
             serial = hub_certificate(self.s.hub, self.hub_tls).serial_number
         except ssl.SSLError as err:
+            permanent = describe_tls_failure(err, self.s.hub)
+            if permanent is not None:
+                raise HubTlsRefused(permanent) from None
             raise HubCertificateUnchecked(
                 f"TLS handshake with the hub at {self.s.hub} failed ({err}), so its certificate could not be checked "
                 f"against the revocation list; check that --certs holds a bundle issued by the hub's CA and that "
@@ -218,7 +236,7 @@ class SiloClient:
         except OSError as err:
             raise HubCertificateUnchecked(f"cannot reach the hub at {self.s.hub} to check its certificate ({err}); "
                                           f"check --hub HOST:PORT and that silo-server runs") from None
-        if not self.revocations.is_revoked(serial):
+        if self.revocations is None or not self.revocations.is_revoked(serial):
             self.hub_checked_at = time.monotonic()
         else:
             raise SiloError(
@@ -372,7 +390,7 @@ class SiloClient:
     # ------------------------------------------------------------------ the loop
     def run_forever(self) -> int:
         """Take part until the hub says the run is done. Returns 0 then; raises SiloError on fatal problems."""
-        backoff, unreachable_since = 1.0, None
+        backoff, unreachable_since, refused_since = 1.0, None, None
         joined = False
         while not self.stop_event.is_set():
             try:
@@ -384,7 +402,7 @@ class SiloClient:
                 task = self.stub.NextTask(silo_pb2.NextTaskRequest(
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
                 ), timeout=NEXT_TASK_TIMEOUT_S)
-                backoff, unreachable_since = 1.0, None
+                backoff, unreachable_since, refused_since = 1.0, None, None
                 self.metrics.contact()
                 if task.kind == silo_pb2.Task.DONE:
                     self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
@@ -417,8 +435,18 @@ class SiloClient:
             except CodecError as err:
                 self.log.warning("bad bundle from the hub (%s); asking again", err)
                 self.stop_event.wait(1.0)
+            except HubTlsRefused as err:
+                # Another CA, a wrong host name, an expired certificate: retrying for --connect-timeout would not
+                # help. A short grace covers a certificate being swapped on the hub just now.
+                self.metrics.hub_error("UNAUTHENTICATED")
+                refused_since = refused_since or time.time()
+                if time.time() - refused_since >= self.s.tls_refused_grace_s:
+                    raise SiloError(str(err)) from None
+                unreachable_since = unreachable_since or time.time()
+                backoff = self._back_off(str(err), backoff, unreachable_since)
             except HubCertificateUnchecked as err:
                 self.metrics.hub_error("UNAVAILABLE")
+                refused_since = None
                 unreachable_since = unreachable_since or time.time()
                 backoff = self._back_off(str(err), backoff, unreachable_since)
         return 0

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import sys
 
-from security.tls import TlsError
+from security.grpc_logs import quiet_grpc_core
 from silo_core.data import DataError
 from silo_core.rounds import Scores, nan_if_none
 from silo_server.config import ConfigError, load_config
@@ -44,6 +44,8 @@ def share_malloc_arenas() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_grpc_core(args.verbose)  # before anything imports grpc
+    from security.tls import TlsError
     share_malloc_arenas()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -370,6 +370,8 @@ def test_handshake_refuses_missing_foreign_and_expired_certificates(runs: tuple[
     outcomes = runs[1].outcomes
     for attack in ("no_certificate", "foreign_ca", "expired"):
         assert outcomes[attack][0] == "UNAVAILABLE", (attack, outcomes[attack])
+    # gRPC core's own lines about them (a foreign format, a misleading cause, no peer) stay out of the hub's log
+    assert "ssl_transport_security" not in runs[1].hub_log and "Handshake failed" not in runs[1].hub_log
 
 
 def test_a_certificate_revoked_while_the_hub_runs_is_refused_from_its_next_call(runs: tuple[Run, Run]) -> None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,39 @@ def test_a_hub_whose_certificate_cannot_be_checked_is_retried_then_given_up(fede
             client.run_forever()
     finally:
         client.close()
+
+
+def _refused_at_once(federation, certs: Path) -> str:
+    """run_forever against the fixture's hub with `certs`: the SiloError it stops with (grace 0.5 s, far below the
+    connect timeout)."""
+    client = SiloClient(SiloSettings(hub=federation["target"], certs=certs, data=federation["root"] / "images",
+                                     device="cpu", state_dir=federation["root"] / "state", connect_timeout_s=300,
+                                     tls_refused_grace_s=0.5))
+    started = time.time()
+    try:
+        with pytest.raises(SiloError) as err:
+            client.run_forever()
+    finally:
+        client.close()
+    assert time.time() - started < 30  # not the 300 s connect timeout
+    return str(err.value)
+
+
+def test_a_bundle_from_another_ca_stops_the_silo_with_the_cause_and_the_fix(federation) -> None:
+    other = pki.init_ca(federation["root"] / "other-ca", name="another federation")
+    message = _refused_at_once(federation, pki.issue_silo(other, "s1", federation["root"] / "other"))
+    assert "presents a certificate this silo cannot verify (unable to get local issuer certificate)" in message
+    assert "--certs holds a bundle from another CA than the hub's" in message and "\n" not in message
+
+
+def test_grpc_core_logs_stay_quiet_unless_asked(monkeypatch) -> None:
+    from security.grpc_logs import quiet_grpc_core
+
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    quiet_grpc_core(verbose=True)
+    assert "GRPC_VERBOSITY" not in os.environ
+    quiet_grpc_core(verbose=False)
+    assert os.environ["GRPC_VERBOSITY"] == "ERROR"
+    monkeypatch.setenv("GRPC_VERBOSITY", "INFO")  # the user's own choice stands
+    quiet_grpc_core(verbose=False)
+    assert os.environ["GRPC_VERBOSITY"] == "INFO"
