@@ -32,6 +32,11 @@ class CodecError(ValueError):
     """A payload that is corrupt, oversized, or not what the receiver planned."""
 
 
+class TooLarge(CodecError):
+    """A payload or stream over its cap or its announced size: a receiver answers RESOURCE_EXHAUSTED, where other
+    CodecErrors are INVALID_ARGUMENT."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
@@ -56,7 +61,7 @@ def encode(tensors: Mapping[str, torch.Tensor], half: bool = False) -> bytes:
 def decode(payload: bytes, max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """Parse safetensors bytes; any malformed payload raises CodecError, never anything looser."""
     if max_bytes is not None and len(payload) > max_bytes:
-        raise CodecError(f"payload of {len(payload)} bytes exceeds the cap of {max_bytes} bytes")
+        raise TooLarge(f"payload of {len(payload)} bytes exceeds the cap of {max_bytes} bytes")
     try:
         return dict(st_load(bytes(payload)))
     except Exception as exc:  # safetensors raises several error types for malformed input
@@ -79,7 +84,7 @@ class ChunkAssembler:
 
     def __init__(self, total_bytes: int, max_bytes: int):
         if total_bytes < 0 or total_bytes > max_bytes:
-            raise CodecError(f"announced size {total_bytes} bytes is outside 0..{max_bytes}")
+            raise TooLarge(f"announced size {total_bytes} bytes is outside 0..{max_bytes}")
         self.total_bytes = total_bytes
         self._buffer = bytearray()
 
@@ -87,7 +92,7 @@ class ChunkAssembler:
         if offset != len(self._buffer):
             raise CodecError(f"chunk at offset {offset} but {len(self._buffer)} bytes received so far")
         if len(self._buffer) + len(data) > self.total_bytes:
-            raise CodecError(f"stream is longer than the announced {self.total_bytes} bytes")
+            raise TooLarge(f"stream is longer than the announced {self.total_bytes} bytes")
         self._buffer.extend(data)
 
     def finish(self, expected_sha256: str) -> bytes:

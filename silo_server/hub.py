@@ -26,10 +26,11 @@ import torch
 
 from security import validation
 from security.secagg import ProtocolError
+from security.secagg.messages import DuplicateMessage
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.files import write_json_atomic
 from silo_core.rounds import RoundRecord, Scores, records_from_json
-from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, encode, sha256_hex
+from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge, encode, sha256_hex
 from silo_server.aggregate import RunningSum, UploadBudget
 from silo_server.checkpoint import load_latest, save_checkpoint
 from silo_server.privacy import STAGE_UPLOADS, BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed
@@ -581,7 +582,7 @@ class Hub:
                     assembler.add(offset, data)
                 payload = assembler.finish(str(header.get("sha256", "")))
             except CodecError as err:
-                code = "RESOURCE_EXHAUSTED" if "exceeds" in str(err) or "outside" in str(err) else "INVALID_ARGUMENT"
+                code = "RESOURCE_EXHAUSTED" if isinstance(err, TooLarge) else "INVALID_ARGUMENT"
                 with self.cond:
                     if self.task is t:
                         self._leave_round(silo_id)
@@ -593,7 +594,7 @@ class Hub:
                 try:
                     HubPrivacy.receive(t.privacy, silo_id, stage, payload)
                 except ProtocolError as err:
-                    duplicate = "already sent" in str(err)
+                    duplicate = isinstance(err, DuplicateMessage)
                     if not duplicate:  # the first message of a stage stands; a broken one is a dropout
                         self._leave_round(silo_id)
                         self.cond.notify_all()

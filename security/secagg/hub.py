@@ -104,7 +104,7 @@ class HubSession:
         if silo_id not in allowed:
             raise msg.ProtocolError(f"silo {silo_id} is not part of stage {stage} of session {self.session}")
         if silo_id in done:
-            raise msg.ProtocolError(f"silo {silo_id} already sent its {stage} message")
+            raise msg.DuplicateMessage(f"silo {silo_id} already sent its {stage} message")
         if silo_id in self.gone:
             raise msg.ProtocolError(f"silo {silo_id} gave up on session {self.session}")
 

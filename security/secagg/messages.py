@@ -29,6 +29,10 @@ class ProtocolError(ValueError):
     """A stage message that is malformed, out of order, misaddressed or not what this session planned."""
 
 
+class DuplicateMessage(ProtocolError):
+    """A second message from a silo for a stage it already answered: the first stands (ALREADY_EXISTS)."""
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -318,3 +318,20 @@ def test_the_hub_knows_when_every_live_silo_has_heard_the_run_is_over(tmp_path):
     assert hub.silos_not_told_done() == ["b"]  # the app lingers only for b now, not for server.linger_s
     hub.next_task("b", hub.run_id, wait_s=5)
     assert hub.silos_not_told_done() == []
+
+
+def test_refusal_status_comes_from_the_exception_type_not_its_wording():
+    from security.secagg.messages import DuplicateMessage, ProtocolError
+    from silo_core.tensors import ChunkAssembler, CodecError, TooLarge
+
+    too_long = ChunkAssembler(4, 100)
+    too_long.add(0, b"abcd")
+    with pytest.raises(TooLarge):  # a stream longer than announced is a size refusal (RESOURCE_EXHAUSTED)
+        too_long.add(4, b"e")
+    with pytest.raises(TooLarge):
+        ChunkAssembler(10**9, 100)
+    gap = ChunkAssembler(4, 100)
+    with pytest.raises(CodecError) as err:
+        gap.add(2, b"ab")
+    assert not isinstance(err.value, TooLarge)  # a malformed stream stays INVALID_ARGUMENT
+    assert issubclass(DuplicateMessage, ProtocolError)
