@@ -26,7 +26,15 @@ from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
 from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchvision
 from silo_core.files import write_json_atomic
-from silo_core.models import ModelSpec, count_parameters
+from silo_core.models import (
+    RUN_WEIGHTS,
+    ModelSpec,
+    WeightsReport,
+    count_parameters,
+    load_weights,
+    read_run_weights,
+    read_weights,
+)
 from silo_core.partition import split_labeled_per_class
 from silo_core.rounds import Scores
 from silo_core.selection import BestRound
@@ -93,6 +101,7 @@ class HubApp:
         )
         self.algorithm = entry.hub(self.options, self.spec, hub_data, self.device, config.run.seed,
                                    config.rounds.total)
+        self.initial_weights_report = self.load_initial_weights()
         r = config.rounds
         self.hub = Hub(
             self.algorithm,
@@ -127,6 +136,23 @@ class HubApp:
                         if config.metrics.enabled else None)
         self.server: FederationServer | None = None
         self.port: int | None = None
+
+    def load_initial_weights(self) -> WeightsReport | None:
+        """Read model.init_weights / init_from_run once, try them on the model now (a file that does not fit stops
+        the hub here, before any silo is served), log what loaded, and hand them to the algorithm's hub half for
+        its initial training. The run description is unchanged: silos never see the file, only the model."""
+        m = self.config.model
+        if m.init_from_run is not None:
+            weights, source = read_run_weights(m.init_from_run, self.spec), str(m.init_from_run / RUN_WEIGHTS)
+        elif m.init_weights is not None:
+            weights, source = read_weights(m.init_weights), str(m.init_weights)
+        else:
+            return None
+        report = load_weights(self.spec.build(), weights, self.spec.num_classes, source)
+        for i, line in enumerate(report.lines()):
+            log.log(logging.WARNING if i and report.worrying else logging.INFO, line)
+        self.algorithm.initial_weights = weights
+        return report
 
     def run_description(self) -> dict[str, Any]:
         c = self.config

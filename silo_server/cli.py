@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model selection: {len(app.validation)} validation images score every round; the best round is "
                   f"kept as {BEST_MODEL}" if app.validation is not None else
                   "model selection: none (no data.validation); the final round's model is exported")
+            weights = app.initial_weights_report  # the summary, then what was missing or unexpected, if anything
+            for line in weights.lines() if weights else ["initial weights: random (no model.init_weights or "
+                                                         "model.init_from_run)"]:
+                print(line)
             for line in plan_lines(config.privacy, config.security.max_update_norm,
                                    getattr(config.rounds, "silos_per_round_count", None)):
                 print(line)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.config_base import ConfigPath, StrictConfig
-from silo_core.models import ModelSpec
+from silo_core.models import RUN_WEIGHTS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
 
@@ -104,6 +104,11 @@ class ModelSection(StrictConfig):
     mean: list[float] | None = None
     std: list[float] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    init_weights: ConfigPath | None = Field(
+        None, description="start from these weights: a safetensors file or a PyTorch checkpoint (read with "
+        "weights_only); only the hub reads it, silos get the model over the wire")
+    init_from_run: ConfigPath | None = Field(
+        None, description=f"warm-start from an earlier run's state folder (its {RUN_WEIGHTS}); the same model")
 
     @field_validator("in_channels")
     @classmethod
@@ -124,6 +129,9 @@ class ModelSection(StrictConfig):
                 raise ValueError(f"{key} needs {self.in_channels} value(s), one per input channel")
         if self.std is not None and min(self.std) <= 0:
             raise ValueError("std values must be positive (images are divided by them)")
+        if self.init_weights is not None and self.init_from_run is not None:
+            raise ValueError("set model.init_weights (a weights file) or model.init_from_run (an earlier run's "
+                             "state folder), not both")
         return self
 
 
@@ -317,7 +325,19 @@ def parse_config(raw: Any, source: str = "hub.yaml", base: Path | None = None) -
         raise ConfigError(format_validation_error(err, source)) from None
     if base is not None:
         _resolve_paths(config, base)
+    _check_initial_weights(config.model, source)
     return config
+
+
+def _check_initial_weights(model: ModelSection, source: str) -> None:
+    """The starting weights must be there when the hub starts (once the paths are relative to the config file);
+    whether they fit the model is checked when the hub builds it (the class count comes from the data)."""
+    if model.init_weights is not None and not model.init_weights.is_file():
+        raise ConfigError(f"{source}: model.init_weights {model.init_weights} is not a file (relative paths are "
+                          "relative to the config file)")
+    if model.init_from_run is not None and not (model.init_from_run / RUN_WEIGHTS).is_file():
+        raise ConfigError(f"{source}: model.init_from_run {model.init_from_run} holds no {RUN_WEIGHTS}: name the "
+                          "run.state_dir of a finished run (relative paths are relative to the config file)")
 
 
 def load_config(path: Path) -> HubConfig:

@@ -21,7 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from silo_core.config_base import StrictConfig
-from silo_core.models import ModelSpec
+from silo_core.models import ModelSpec, load_weights
 from silo_core.tensors import TensorSpec
 from silo_core.training import OptimizerSettings, scheduled_lr
 
@@ -133,6 +133,18 @@ class HubAlgorithm(ABC):
         self.device = device
         self.seed = seed
         self.total_rounds = total_rounds
+        # The operator's starting weights (model.init_weights / init_from_run), read once by the hub app. Only the
+        # hub half holds them: silos receive the resulting model over the wire, and never see the file.
+        self.initial_weights: dict[str, torch.Tensor] | None = None
+
+    def initial_model(self) -> nn.Module:
+        """The network init_state starts from: the spec's fresh initialisation, with the initial weights loaded
+        over it when there are any (a re-initialised classifier keeps its fresh values). The hub app has already
+        loaded them once and logged the report."""
+        model = self.model_spec.build()
+        if self.initial_weights is not None:
+            load_weights(model, self.initial_weights, self.model_spec.num_classes)
+        return model
 
     @abstractmethod
     def init_state(self) -> HubState: ...

@@ -99,7 +99,7 @@ class ParallelFedAvgHub(HubAlgorithm):
 
     def init_state(self) -> HubState:
         torch.manual_seed(self.seed)
-        model = self.model_spec.build()
+        model = self.initial_model()
         loss = self._train_hub(model, 1, self.options.init_epochs)
         self._static_bn(model)
         return HubState(round=0, tensors=model_tensors(model), meta={"hub_loss": loss})

@@ -269,7 +269,7 @@ class FedSEALHub(HubAlgorithm):
     def init_state(self) -> HubState:
         o = self.options
         torch.manual_seed(self.seed)
-        model = self.model_spec.build()
+        model = self.initial_model()
         loss = self._server_update(model, 1, o.hub_epochs if o.init_epochs is None else o.init_epochs)
         tau = self._thresholds(model)
         return HubState(round=0, tensors={**model_tensors(model), "thresholds": tau}, meta={"hub_loss": loss})

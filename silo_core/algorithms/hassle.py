@@ -195,7 +195,7 @@ class HASSLEHub(HubAlgorithm):
     def init_state(self) -> HubState:
         o = self.options
         torch.manual_seed(self.seed)
-        supervised = self.specs["S"].build()
+        supervised = self.initial_model()  # S and U start from the initial weights; the residuals from zero
         loss = train_supervised(
             supervised, self.data.labeled_images, self.data.labeled_labels, epochs=o.hub_warmup_epochs,
             batch_size=o.hub_batch_size or o.batch_size, lr=o.lr_at(1, self.total_rounds), opt=o.optimizer(),

@@ -123,7 +123,7 @@ class SemiFLHub(HubAlgorithm):
 
     def init_state(self) -> HubState:
         torch.manual_seed(self.seed)
-        model = self.model_spec.build()
+        model = self.initial_model()
         o = self.options
         loss = self._server_update(model, 1, o.hub_epochs if o.init_epochs is None else o.init_epochs)
         momentum = {f"momentum/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
