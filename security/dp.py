@@ -33,7 +33,6 @@ would close the known floating-point side channels).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import secrets
@@ -202,52 +201,60 @@ def _rdp_curve(noise_multiplier: float, sample_rate: float) -> np.ndarray:
 
 
 class PrivacyAccountant:
-    """Opacus' RDP or PRV accountant, with a JSON state and a look-ahead for budgets.
+    """RDP (Opacus' analysis) or PRV (Opacus' accountant) over our own ledger, with a JSON state and a look-ahead.
 
-    The history is a list of (noise multiplier, sampling rate, steps); epsilon is reported at `delta`.
+    The ledger is a list of (noise multiplier, sampling rate, steps), consecutive equal (z, q) merged; epsilon is
+    reported at `delta`. It is ours, not Opacus' private `history`, so an Opacus upgrade that changes that
+    attribute cannot silently reset a restarted hub's budget: RDP composes the per-step curves of the public
+    analysis functions, PRV replays the ledger through the accountant's public `step`.
     """
 
     def __init__(self, mechanism: Literal["rdp", "prv"] = "rdp", delta: float = 1e-5):
-        from opacus.accountants import PRVAccountant, RDPAccountant
-
+        if mechanism not in ("rdp", "prv"):
+            raise ValueError(f"unknown accountant {mechanism!r}; choose rdp or prv")
         self.mechanism, self.delta = mechanism, delta
-        self._impl = {"rdp": RDPAccountant, "prv": PRVAccountant}[mechanism]()
+        self.ledger: list[tuple[float, float, int]] = []
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         if not (noise_multiplier > 0 and 0 < sample_rate <= 1 and steps >= 1):
             raise ValueError("a step needs noise_multiplier > 0, 0 < sample_rate <= 1 and steps >= 1")
-        history = self._impl.history  # [(z, q, steps)], consecutive equal (z, q) merged, as Opacus keeps it
-        if history and history[-1][:2] == (noise_multiplier, sample_rate):
-            history[-1] = (noise_multiplier, sample_rate, history[-1][2] + steps)
+        if self.ledger and self.ledger[-1][:2] == (noise_multiplier, sample_rate):
+            self.ledger[-1] = (noise_multiplier, sample_rate, self.ledger[-1][2] + steps)
         else:
-            history.append((noise_multiplier, sample_rate, steps))
+            self.ledger.append((noise_multiplier, sample_rate, steps))
 
     @property
     def history(self) -> list[tuple[float, float, int]]:
-        return list(self._impl.history)
+        return list(self.ledger)
 
     @property
     def steps(self) -> int:
-        return sum(s for _, _, s in self._impl.history)
+        return sum(s for _, _, s in self.ledger)
 
     def epsilon(self, delta: float | None = None) -> float:
-        if not self._impl.history:
+        if not self.ledger:
             return 0.0
         delta = delta or self.delta
-        if self.mechanism != "rdp":
-            return float(self._impl.get_epsilon(delta=delta))
-        # RDPAccountant.get_epsilon, with the per-step RDP curve of each (z, q) cached: RDP composes additively,
-        # so the curve of s steps is s times that of one, and a hub asking every round pays for it once.
+        if self.mechanism == "prv":
+            from opacus.accountants import PRVAccountant
+
+            prv = PRVAccountant()
+            for z, q, steps in self.ledger:
+                for _ in range(steps):
+                    prv.step(noise_multiplier=z, sample_rate=q)
+            return float(prv.get_epsilon(delta=delta))
+        # RDP composes additively: the curve of s steps is s times that of one, cached per (z, q), so a hub asking
+        # every round pays for each curve once.
         from opacus.accountants.analysis.rdp import get_privacy_spent
 
-        rdp = sum(steps * _rdp_curve(z, q) for z, q, steps in self._impl.history)
+        rdp = sum(steps * _rdp_curve(z, q) for z, q, steps in self.ledger)
         eps, _ = get_privacy_spent(orders=_ALPHAS, rdp=rdp, delta=delta)
         return float(eps)
 
     def epsilon_after(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
         """The epsilon this accountant would report after `steps` more steps (itself unchanged)."""
         trial = PrivacyAccountant(self.mechanism, self.delta)
-        trial._impl.history = copy.deepcopy(self._impl.history)
+        trial.ledger = list(self.ledger)
         trial.step(noise_multiplier, sample_rate, steps)
         return trial.epsilon()
 
@@ -257,18 +264,16 @@ class PrivacyAccountant:
 
     def to_json(self) -> dict[str, Any]:
         return {"mechanism": self.mechanism, "delta": self.delta,
-                "history": [[float(z), float(q), int(s)] for z, q, s in self._impl.history]}
+                "history": [[float(z), float(q), int(s)] for z, q, s in self.ledger]}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PrivacyAccountant:
         acc = cls(d["mechanism"], float(d["delta"]))
-        history = []
         for z, q, s in d.get("history", []):
             z, q, s = float(z), float(q), int(s)
             if not (z > 0 and 0 < q <= 1 and s >= 1):
                 raise ValueError(f"bad accountant history entry {[z, q, s]}")
-            history.append((z, q, s))
-        acc._impl.history = history
+            acc.ledger.append((z, q, s))
         return acc
 
 

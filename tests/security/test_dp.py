@@ -174,3 +174,20 @@ def test_silo_instructions_round_trip_and_refuse_nonsense():
     assert SiloInstructions.from_json(json.loads(json.dumps(s.to_json()))) == s
     with pytest.raises(ValueError):
         SiloInstructions.from_json({"clip_norm": -1, "noise_std": 0})
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "prv"])
+def test_the_accountant_keeps_its_own_ledger_and_agrees_with_opacus_public_api(mechanism):
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    ours = PrivacyAccountant(mechanism, delta=1e-5)
+    theirs = {"rdp": RDPAccountant, "prv": PRVAccountant}[mechanism]()
+    for z, q, steps in ((1.1, 0.1, 3), (1.1, 0.1, 2), (0.9, 0.2, 4)):
+        ours.step(z, q, steps)
+        for _ in range(steps):
+            theirs.step(noise_multiplier=z, sample_rate=q)
+    assert ours.history == [(1.1, 0.1, 5), (0.9, 0.2, 4)]  # consecutive equal (z, q) merged
+    assert ours.epsilon() == pytest.approx(theirs.get_epsilon(delta=1e-5), rel=1e-6)
+    restored = PrivacyAccountant.from_json(json.loads(json.dumps(ours.to_json())))
+    assert restored.history == ours.history and restored.epsilon() == pytest.approx(ours.epsilon(), rel=1e-9)
+    assert not hasattr(restored, "_impl")  # nothing of Opacus' private state is written or read back
