@@ -62,6 +62,28 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
     )
 
 
+class BurstLog:
+    """One WARNING per key (a silo, a refusal reason) per `every_s` at most, saying how many events it stands for:
+    a peer that repeats a refused call cannot fill the hub's log."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self._last: dict[Any, float] = {}
+        self._unreported: dict[Any, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, key: Any, message: Callable[[int], str]) -> None:
+        """Count one event; log `message(n)` (n: events since the key's last line, this one included) when due."""
+        with self._lock:
+            self._unreported[key] = self._unreported.get(key, 0) + 1
+            now = time.monotonic()
+            if now - self._last.get(key, -1e18) < self.every_s:
+                return
+            self._last[key] = now
+            count = self._unreported.pop(key)
+        log.warning("%s", message(count))
+
+
 class CallLimits:
     """Calls in flight per silo, capped per method and in all. Excess calls are refused at once (the caller
     learns RESOURCE_EXHAUSTED and backs off), counted per silo, and logged once per burst: at most one WARNING a
@@ -74,8 +96,7 @@ class CallLimits:
         self.warn_every_s = warn_every_s
         self.in_flight: dict[str, dict[str, int]] = {}
         self.refused: dict[str, int] = {}  # silo -> calls refused since the hub started
-        self._unreported: dict[str, int] = {}
-        self._warned_at: dict[str, float] = {}
+        self._burst = BurstLog(warn_every_s)
         self._lock = threading.Lock()
 
     def acquire(self, silo_id: str, method: str) -> str | None:
@@ -90,14 +111,10 @@ class CallLimits:
                 calls[method] = calls.get(method, 0) + 1
                 return None
             self.refused[silo_id] = self.refused.get(silo_id, 0) + 1
-            self._unreported[silo_id] = self._unreported.get(silo_id, 0) + 1
-            now = time.monotonic()
-            if now - self._warned_at.get(silo_id, -1e9) >= self.warn_every_s:
-                log.warning("silo %s has more calls open than allowed (%s): %d refused since the last warning; "
-                            "further refusals in the next %.0f s are counted, not logged", silo_id, reason,
-                            self._unreported.pop(silo_id), self.warn_every_s)
-                self._warned_at[silo_id] = now
-            return reason
+        self._burst.warn(silo_id, lambda n: (
+            f"silo {silo_id} has more calls open than allowed ({reason}): {n} refused since the last warning; "
+            f"further refusals in the next {self.warn_every_s:.0f} s are counted, not logged"))
+        return reason
 
     def release(self, silo_id: str, method: str) -> None:
         with self._lock:
@@ -146,6 +163,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         self.gate = gate or PeerGate()
         self.on_join = on_join  # (silo id, its verified certificate PEM): e.g. metrics of certificate expiry
         self.limits = limits or CallLimits()
+        self.denials = BurstLog(self.limits.warn_every_s)  # refusals at the gate, logged once per burst
         self.header_timeout_s = header_timeout_s
         self.stream_idle_s = stream_idle_s
         self.pool = pool  # blocking hub calls run here (None: the loop's default executor)
@@ -173,8 +191,13 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         except AccessDenied as denied:
             if denied.reason == "revoked" and denied.silo_id:
                 self.hub.evict(denied.silo_id)  # never sampled again, and out of its round at once
-            who = denied.silo_id or f"unidentified peer {context.peer()}"
-            self.hub.refuse(who, denied.code, denied.reason, denied.message)
+            who = validation.printable(denied.silo_id or f"unidentified peer {context.peer()}", 140)
+            # Counted every time, logged once a minute per peer and reason: a revoked silo that keeps calling
+            # cannot fill the log.
+            reason, text = denied.reason, validation.printable(denied.message, 300)
+            self.hub.count_refusal(reason)
+            self.denials.warn((who, reason), lambda n: (
+                f"refused {reason} from {who}: {text}" + (f" ({n} such calls since the last line)" if n > 1 else "")))
             await context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
         if peer.not_after is not None:
             self.hub.cert_not_after[peer.silo_id] = peer.not_after

@@ -180,3 +180,14 @@ def test_health_answers_only_admitted_certificates(federation, tmp_path):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert health_pb2_grpc.HealthStub(f.channels["honest"]).Check(
         health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_revoked_silo_that_keeps_calling_is_counted_each_time_and_logged_once(federation, caplog):
+    f = federation
+    pki.revoke(f.ca, "attacker")
+    shutil.copy(f.ca / "crl.pem", f.hub_bundle / "crl.pem")
+    codes = [_code(_poll(f.stubs["attacker"], f.hub, timeout=5)) for _ in range(30)]
+    assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+    assert f.hub.refusals["revoked"] == 30
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused revoked from attacker")]
+    assert len(lines) == 1  # not 30
