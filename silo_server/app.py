@@ -154,6 +154,23 @@ class HubApp:
         self.algorithm.initial_weights = weights
         return report
 
+    def initial_weights_card(self) -> dict[str, Any] | None:
+        """Where the run's starting model came from (model.init_weights / init_from_run), for the model card: the
+        file, its sha256 as read now, and what loaded; None for a random start."""
+        report = self.initial_weights_report
+        if report is None:
+            return None
+        path = Path(report.source)
+        return {
+            "file": str(path),
+            "sha256": sha256_hex(path.read_bytes()) if path.is_file() else None,
+            "loaded": len(report.loaded),
+            "stem_summed_over_colour": list(report.summed_stem),
+            "head_reinitialised": list(report.head),
+            "missing": list(report.missing),
+            "unexpected": list(report.unexpected),
+        }
+
     def run_description(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -376,6 +393,7 @@ class HubApp:
             "final_metrics": final.to_json(),
             "best_round": self.best_round_card(),
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
+            "initial_weights": self.initial_weights_card(),
             "stopped_early": self.hub.stopped_reason or None,
             "weights_file": weights.name,
             "weights_sha256": sha256_hex(weights.read_bytes()),

@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import save_file
 
 from silo_core.models import ModelSpec
+from silo_core.tensors import sha256_hex
 from silo_server.cli import main
 from silo_server.config import ConfigError, load_config, parse_config
 
@@ -53,6 +54,9 @@ def test_the_hub_loads_the_file_once_for_its_hub_half_and_check_prints_the_repor
     count = len(weights)
     assert f"start.safetensors: {count} of {count} tensors loaded" in caplog.text
     assert "start" not in str(app.run_description())  # silos never hear of the file
+    card = app.initial_weights_card()  # what the model card records of the starting point
+    assert card["file"].endswith("start.safetensors") and card["loaded"] == count and card["missing"] == []
+    assert card["sha256"] == sha256_hex((tmp_path / "start.safetensors").read_bytes())
 
     assert main(["--config", str(tmp_path / "hub.yaml"), "--check", "--insecure-dev-only"]) == 0
     assert f"{count} of {count} tensors loaded" in capsys.readouterr().out
