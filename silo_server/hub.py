@@ -306,8 +306,8 @@ class Hub:
         t = self.task
         if t is None or silo_id not in t.sampled or silo_id in t.gone:
             return
-        if t.open and silo_id in t.reported:
-            return  # its result is in the sums already
+        if t.privacy is None and silo_id in t.reported:
+            return  # its result is in the sums already (under secure aggregation a report is only its keys)
         t.gone.add(silo_id)
         if t.privacy is not None:
             HubPrivacy.drop(t.privacy, silo_id)
@@ -585,7 +585,7 @@ class Hub:
                 code = "RESOURCE_EXHAUSTED" if isinstance(err, TooLarge) else "INVALID_ARGUMENT"
                 with self.cond:
                     if self.task is t:
-                        self._leave_round(silo_id)
+                        self._leave_round(silo_id)  # a message the session cannot use: a dropout
                         self.cond.notify_all()
                 raise self.refuse(silo_id, code, "bad_payload", str(err)) from None
             with self.cond:
@@ -601,7 +601,7 @@ class Hub:
                     raise self.refuse(silo_id, "ALREADY_EXISTS" if duplicate else "INVALID_ARGUMENT", "bad_secagg",
                                       str(err)) from None
                 if stage == "abort":
-                    t.gone.add(silo_id)
+                    self._leave_round(silo_id)
                 if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
                     t.reported.add(silo_id)
                     self.silos[silo_id].rounds_contributed += 1
