@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "without certificates; needs --silo-id. Never with real data")
     p.add_argument("--silo-id", help="with --insecure-dev-only: the silo id to declare (with TLS the id is the "
                                      "certificate's name)")
+    p.add_argument("--model-factory", action="append", default=[], metavar="PKG.MODULE:CALLABLE",
+                   help="allow a run whose model this factory builds (repeat for several). A silo imports no code "
+                        "because the hub names it: without this, a run with model.factory is refused at join")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--state-dir", type=Path, help="where this silo keeps its own state (default beside --data)")
     p.add_argument("--connect-timeout", type=float, default=300.0,
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
             insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None, crl=args.crl,
+            model_factories=tuple(args.model_factory),
         ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
         rc = client.run_forever()

@@ -38,7 +38,7 @@ from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.augment import to_float
 from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
-from silo_core.models import ModelSpec
+from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.tensors import (
     CHUNK_BYTES,
     DTYPES,
@@ -86,6 +86,8 @@ class SiloSettings:
     # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
     insecure_dev_silo_id: str | None = None
     crl: Path | None = None  # the CA's revocation list to check the hub against (default: crl.pem in the bundle)
+    # Model factories ("package.module:callable") this silo's operator allows: the only code a run can make it import.
+    model_factories: tuple[str, ...] = ()
 
 
 def count_image_files(root: Path) -> int:
@@ -104,6 +106,36 @@ def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) ->
     if not (has_unlabeled or has_labeled):
         need = "--data (unlabeled images)" + (" or --labeled" if silo.trains_on_labeled else "")
         raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
+
+
+def check_model_allowed(run: silo_pb2.RunDescription, allowed: tuple[str, ...]) -> None:
+    """A run built by a model factory is joined only when this silo's own operator named that factory: a silo
+    never imports code because the hub named it."""
+    if run.model_factory and run.model_factory not in allowed:
+        named = f" (this silo allows only {', '.join(allowed)})" if allowed else ""
+        raise SiloError(f"the hub's run builds its model with the factory {run.model_factory}, and this silo imports "
+                        f"no code because the hub names it{named}. If you trust that code and have its package "
+                        f"installed here, restart with --model-factory {run.model_factory}")
+
+
+def check_architecture(run: silo_pb2.RunDescription, spec: ModelSpec) -> None:
+    """This silo's build of the run's model must be the hub's, tensor for tensor (another torchvision or timm
+    version, or another copy of a factory, can change it): refuse before training, naming the first difference."""
+    if not run.architecture:
+        return
+    expected = [TensorShape(t.name, tuple(t.shape), t.dtype) for t in run.architecture]
+    difference = architecture_difference(expected, architecture(spec.build()))
+    if difference:
+        raise SiloError(f"this silo builds a different {spec.label} than the hub: {difference}. Install the same "
+                        f"versions of torch/torchvision/timm and of the model's package as the hub")
+
+
+def model_spec_of(run: silo_pb2.RunDescription) -> ModelSpec:
+    return ModelSpec(
+        name=run.model, num_classes=run.num_classes, in_channels=run.in_channels, image_size=run.image_size,
+        mean=list(run.normalize_mean), std=list(run.normalize_std),
+        options=json.loads(run.model_options_json or "{}"), factory=run.model_factory or None,
+    )
 
 
 def data_key(run: silo_pb2.RunDescription) -> tuple[int, int]:
@@ -191,6 +223,7 @@ class SiloClient:
         self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
+        self.model_checked_for = ""  # the run whose model this silo checked it may and can build
         self.silo_id = ""
         self.algorithm: SiloAlgorithm | None = None
         self.data: SiloData | None = None
@@ -251,6 +284,7 @@ class SiloClient:
         hub samples ready silos only, so round 1 does not wait on a silo's loading."""
         self._check_hub_certificate()
         run = self._announce(preparing=self.data is None)
+        self._check_model(run)  # before loading any image
         if self.data is None or self.data_key != data_key(run):
             self.data, self.data_key = self._load(run), data_key(run)
             self._set_up(run)
@@ -273,6 +307,18 @@ class SiloClient:
         self.run, self.silo_id = run, reply.silo_id
         return run
 
+    def _check_model(self, run: silo_pb2.RunDescription) -> None:
+        """The run's model is one this silo may build (check_model_allowed) and builds the same here as at the
+        hub (check_architecture); checked once per run."""
+        if self.model_checked_for == run.run_id:
+            return
+        check_model_allowed(run, self.s.model_factories)
+        try:
+            check_architecture(run, model_spec_of(run))
+        except ValueError as err:  # the factory cannot be imported or built here
+            raise SiloError(f"cannot build the run's model here: {err}") from None
+        self.model_checked_for = run.run_id
+
     def _set_up(self, run: silo_pb2.RunDescription) -> None:
         """The run's algorithm and model, checked against the loaded images."""
         self.data.silo_id, self.data.run_id = self.silo_id, run.run_id
@@ -284,12 +330,8 @@ class SiloClient:
             self.log.warning("algorithm %s does not train on labeled images at silos; the %d in %s are ignored",
                              run.algorithm, self.data.num_labeled, self.s.labeled)
         options = entry.options.model_validate(json.loads(run.algorithm_options_json or "{}"))
-        spec = ModelSpec(
-            name=run.model, num_classes=run.num_classes, in_channels=run.in_channels, image_size=run.image_size,
-            mean=list(run.normalize_mean), std=list(run.normalize_std),
-            options=json.loads(run.model_options_json or "{}"),
-        )
-        self.algorithm = entry.silo(options, spec, self.device)
+        self._check_model(run)
+        self.algorithm = entry.silo(options, model_spec_of(run), self.device)
 
     def _load(self, run: silo_pb2.RunDescription) -> SiloData:
         empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)

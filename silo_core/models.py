@@ -1,8 +1,9 @@
 """The one registry that builds a network: models with static batch norm (sBN, SemiFL Appendix B), or group norm
 for sample-level DP.
 
-A spec names a built-in (`small_cnn`, `wrn28_2`), a torchvision classification builder (`torchvision/resnet18`) or,
-with the `timm` extra, a timm model (`timm/resnet18`). The registry applies the kit's conventions once, so no
+A spec names a built-in (`small_cnn`, `wrn28_2`), a torchvision classification builder (`torchvision/resnet18`),
+with the `timm` extra a timm model (`timm/resnet18`), or the user's own factory (`factory: "their_pkg.models:build"`,
+a callable installed where it runs; a silo builds one only when its own operator named it). The registry applies the kit's conventions once, so no
 algorithm special-cases a network: the class count, the input channels (a new stem) and static BN. Nothing is ever
 downloaded: pretrained weights are refused; starting weights come from a file the operator names instead
 (`read_weights`, `load_weights`: hub.yaml's model.init_weights and model.init_from_run).
@@ -15,6 +16,7 @@ its own; the global statistics used for inference and pseudo-labelling are compu
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import inspect
 import json
@@ -284,15 +286,94 @@ def _external_model(spec: ModelSpec, library: str, name: str) -> nn.Module:
     return group_norms(model) if spec.norm == "group" else static_batchnorm(model)
 
 
+# ------------------------------------------------------------------------------ the user's own factory
+
+def load_factory(path: str) -> Callable[..., nn.Module]:
+    """The callable named "package.module:attribute" (the attribute may be dotted: "pkg.mod:Builders.resnet").
+    Importing runs the package's code: only ever call this for a name this process's own operator gave."""
+    module_name, colon, attribute = path.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"model factory {path!r} must be written package.module:callable, e.g. my_models.chest:build")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"model factory {path}: cannot import {module_name} ({err}); install the package that "
+                         f"provides it on this machine, or correct the name") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"model factory {path}: {module_name} has no {attribute}; correct the name")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"model factory {path} is a {type(target).__name__}, not a callable that returns a model")
+    return target
+
+
+def _factory_model(spec: ModelSpec) -> nn.Module:
+    """The factory's network for spec: called with the class count, input channels, image size and the user's
+    options (less norm, which is ours), then given the kit's static BN (or group norm) like every other model."""
+    build = load_factory(str(spec.factory))
+    options = {k: v for k, v in spec.options.items() if k != "norm"}
+    try:
+        model = build(num_classes=spec.num_classes, in_channels=spec.in_channels, image_size=spec.image_size,
+                      **options)
+    except Exception as err:
+        raise ValueError(f"model factory {spec.factory} failed for {spec.num_classes} classes, "
+                         f"{spec.in_channels}x{spec.image_size}x{spec.image_size} images and options {options}: "
+                         f"{type(err).__name__}: {err}") from err
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model factory {spec.factory} returned a {type(model).__name__}, not a torch.nn.Module")
+    return group_norms(model) if spec.norm == "group" else static_batchnorm(model)
+
+
+# ------------------------------------------------------------------------------ the architecture's fingerprint
+
+@dataclass(frozen=True)
+class TensorShape:
+    """One parameter or buffer of a network: what the hub sends so a silo can tell its build is the same."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def architecture(model: nn.Module) -> list[TensorShape]:
+    """Names, shapes and dtypes of every parameter and buffer, in state-dict order."""
+    return [TensorShape(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in model.state_dict().items()]
+
+
+def architecture_sha256(shapes: list[TensorShape]) -> str:
+    """One hex digest of an architecture, for the model card and logs."""
+    text = json.dumps([[t.name, list(t.shape), t.dtype] for t in shapes], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def architecture_difference(expected: list[TensorShape], built: list[TensorShape]) -> str | None:
+    """None when ``built`` matches ``expected`` exactly; else one line naming the first tensor that differs."""
+    theirs = {t.name: t for t in expected}
+    ours = {t.name: t for t in built}
+    for t in expected:
+        mine = ours.get(t.name)
+        if mine is None:
+            return f"the hub's model has {t.name} {list(t.shape)} {t.dtype}, which this build lacks"
+        if mine != t:
+            return (f"{t.name} is {list(mine.shape)} {mine.dtype} here but {list(t.shape)} {t.dtype} at the hub")
+    extra = next((t for t in built if t.name not in theirs), None)
+    if extra is not None:
+        return f"this build has {extra.name} {list(extra.shape)} {extra.dtype}, which the hub's model lacks"
+    return None
+
+
 def _probe(spec: ModelSpec, library: str, name: str) -> None:
     """Build spec's network and run one training-mode batch through it on the meta device (shapes only, no
     memory, no arithmetic): a bad option, a stem that cannot change or an image size the network cannot take fails
     here, at config time, with one line."""
+    make = (lambda: _factory_model(spec)) if library == "factory" else (lambda: _external_model(spec, library, name))
     try:
         with torch.device("meta"):
-            model = _external_model(spec, library, name)
-    except NotImplementedError:  # a builder that computes with tensors (regnet's widths) cannot run on meta
-        model = _external_model(spec, library, name).to("meta")
+            model = make()
+    except (NotImplementedError, RuntimeError):  # code that computes with tensors (regnet's widths) cannot run on meta
+        model = make().to("meta")
     for layer in model.modules():  # a meta tensor has no value for static BN's 1/num_batches_tracked; same shapes
         if isinstance(layer, nn.modules.batchnorm._BatchNorm):
             layer.momentum = 0.1
@@ -301,11 +382,11 @@ def _probe(spec: ModelSpec, library: str, name: str) -> None:
         with torch.no_grad():
             out = model.train()(x)
     except Exception as err:  # e.g. too small for alexnet's pooling, not a multiple of vit's patch size
-        raise ValueError(f"model {spec.name} cannot take {spec.in_channels}x{spec.image_size}x{spec.image_size} "
+        raise ValueError(f"model {spec.label} cannot take {spec.in_channels}x{spec.image_size}x{spec.image_size} "
                          f"images: {err}") from err
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, spec.num_classes):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"model {spec.name} returns {shape} while training, not (batch, {spec.num_classes}) logits")
+        raise ValueError(f"model {spec.label} returns {shape} while training, not (batch, {spec.num_classes}) logits")
 
 
 @dataclass
@@ -319,12 +400,22 @@ class ModelSpec:
     mean: list[float] = field(default_factory=lambda: [0.5])
     std: list[float] = field(default_factory=lambda: [0.5])
     options: dict[str, Any] = field(default_factory=dict)
+    factory: str | None = None  # "package.module:callable" building the network; then name is only a label
 
     @property
     def norm(self) -> str:
         return str(self.options.get("norm", "batch"))
 
+    @property
+    def label(self) -> str:
+        """What to call the network in logs and errors."""
+        return f"factory {self.factory}" if self.factory else self.name
+
     def build(self) -> nn.Module:
+        if self.factory:
+            if self.norm not in NORMS:
+                raise ValueError(f"unknown options.norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+            return _factory_model(self)
         external = _library(self.name)
         if external:
             self._check_library_options(*external)
@@ -340,7 +431,13 @@ class ModelSpec:
 
     def check_options(self) -> None:
         """Refuse an option this model does not have (a typo would otherwise be ignored) or a value it cannot take.
-        A library's network is built once on the meta device to ask its builder (no memory, no arithmetic)."""
+        A library's network is built once on the meta device to ask its builder (no memory, no arithmetic); so is
+        a factory's, which imports its package."""
+        if self.factory:
+            if self.norm not in NORMS:
+                raise ValueError(f"unknown options.norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+            _probe(self, "factory", self.factory)
+            return
         external = _library(self.name)
         if external:
             self._check_library_options(*external)
@@ -387,19 +484,19 @@ class ModelSpec:
         scale: only factor 1 (the same network) is possible for it."""
         if factor <= 0:
             raise ValueError(f"a width factor must be positive, got {factor}")
-        if _library(self.name) and factor != 1:
-            raise ValueError(f"model {self.name} cannot be narrowed to {factor} of its width (only built-in models "
+        if (self.factory or _library(self.name)) and factor != 1:
+            raise ValueError(f"model {self.label} cannot be narrowed to {factor} of its width (only built-in models "
                              f"scale); for hassle set algorithm.options.residual_width: 1.0 (full-size residual "
                              f"models) or use small_cnn / wrn28_2")
         options = dict(self.options)
-        if _library(self.name):
+        if self.factory or _library(self.name):
             pass  # factor 1: the same network
         elif self.name == "small_cnn":
             options["width"] = max(1, round(int(options.get("width", 16)) * factor))
         else:
             options["scale"] = float(options.get("scale", 1.0)) * factor
         return ModelSpec(self.name, self.num_classes, self.in_channels, self.image_size, list(self.mean),
-                         list(self.std), options)
+                         list(self.std), options, self.factory)
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -514,10 +611,11 @@ def read_run_weights(directory: Path | str, spec: ModelSpec) -> dict[str, torch.
     if card_path.is_file():
         try:
             card = json.loads(card_path.read_text())["model"]
-            theirs = {key: card[key] for key in ("name", "in_channels", "num_classes")}
+            theirs = {key: card.get(key) for key in ("name", "factory", "in_channels", "num_classes")}
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{card_path} is not a silokit model card ({type(err).__name__}: {err})") from None
-        ours = {"name": spec.name, "in_channels": spec.in_channels, "num_classes": spec.num_classes}
+        ours = {"name": spec.name, "factory": spec.factory, "in_channels": spec.in_channels,
+                "num_classes": spec.num_classes}
         wrong = [key for key in ours if theirs[key] != ours[key]]
         if wrong:
             said = ", ".join(f"{k} {theirs[k]!r} there, {ours[k]!r} here" for k in wrong)

@@ -30,6 +30,8 @@ from silo_core.models import (
     RUN_WEIGHTS,
     ModelSpec,
     WeightsReport,
+    architecture,
+    architecture_sha256,
     count_parameters,
     load_weights,
     read_run_weights,
@@ -71,8 +73,9 @@ def load_source(src: DataSource, image_size: int, channels: int) -> ImageSet:
 def model_spec_from(config: HubConfig, num_classes: int) -> ModelSpec:
     m = config.model
     return ModelSpec(
-        name=m.name, num_classes=num_classes, in_channels=m.in_channels, image_size=m.image_size,
+        name=m.factory or m.name, num_classes=num_classes, in_channels=m.in_channels, image_size=m.image_size,
         mean=m.mean or [0.5] * m.in_channels, std=m.std or [0.5] * m.in_channels, options=dict(m.options),
+        factory=m.factory,
     )
 
 
@@ -178,6 +181,8 @@ class HubApp:
             "algorithm_options": self.options.model_dump(mode="json"),
             "model": self.spec.name,
             "model_options": self.spec.options,
+            "model_factory": self.spec.factory or "",
+            "architecture": architecture(self.spec.build()),
             "num_classes": self.spec.num_classes,
             "in_channels": self.spec.in_channels,
             "image_size": self.spec.image_size,
@@ -379,7 +384,9 @@ class HubApp:
             "algorithm": self.config.algorithm.name,
             "algorithm_options": self.options.model_dump(mode="json"),
             "model": {
-                "name": self.spec.name, "options": self.spec.options, "num_classes": self.spec.num_classes,
+                "name": self.spec.name, "factory": self.spec.factory, "options": self.spec.options,
+                "num_classes": self.spec.num_classes,
+                "architecture_sha256": architecture_sha256(architecture(model)),
                 "in_channels": self.spec.in_channels, "image_size": self.spec.image_size,
                 "normalize_mean": self.spec.mean, "normalize_std": self.spec.std,
                 "parameters": count_parameters(model),

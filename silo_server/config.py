@@ -104,6 +104,10 @@ class ModelSection(StrictConfig):
     mean: list[float] | None = None
     std: list[float] | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    factory: str | None = Field(
+        None, description='your own network: "package.module:callable", called with num_classes, in_channels, '
+        "image_size and model.options; installed at the hub and at every silo, and a silo builds it only when "
+        "its operator passes the same name to silo-client --model-factory")
     init_weights: ConfigPath | None = Field(
         None, description="start from these weights: a safetensors file or a PyTorch checkpoint (read with "
         "weights_only); only the hub reads it, silos get the model over the wire")
@@ -121,8 +125,12 @@ class ModelSection(StrictConfig):
     @model_validator(mode="after")
     def _known(self) -> ModelSection:
         # The model's name and options first (ModelSpec knows both), then the normalisation's length.
-        ModelSpec(self.name, in_channels=self.in_channels, image_size=self.image_size,
-                  options=dict(self.options)).check_options()
+        if self.factory is not None:
+            if "name" in self.model_fields_set:
+                raise ValueError(f"set model.name (a built-in or library network) or model.factory (your own), not "
+                                 f"both; got name {self.name!r} and factory {self.factory!r}")
+        ModelSpec(self.factory or self.name, in_channels=self.in_channels, image_size=self.image_size,
+                  options=dict(self.options), factory=self.factory).check_options()
         for key in ("mean", "std"):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:

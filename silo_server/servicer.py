@@ -59,6 +59,9 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
         model_options_json=json.dumps(desc.get("model_options", {})),
         max_upload_bytes=desc["max_upload_bytes"],
         chunk_bytes=desc["chunk_bytes"],
+        model_factory=desc.get("model_factory", ""),
+        architecture=[silo_pb2.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype)
+                      for t in desc.get("architecture", [])],
     )
 
 

@@ -151,6 +151,8 @@ def stage_federation(
             config[section] = _merge(config[section], values)
         else:
             config[section] = values
+    if "factory" in config["model"]:  # the user's own network replaces the default name (setting both is an error)
+        config["model"].pop("name", None)
     staged.hub_config.write_text(yaml.safe_dump(config, sort_keys=False))
     return staged
 

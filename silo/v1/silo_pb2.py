@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12silo/v1/silo.proto\x12\x07silo.v1\"\xa2\x01\n\x0bJoinRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x15\n\rnum_unlabeled\x18\x02 \x01(\x03\x12\x13\n\x0bnum_labeled\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0eskipped_images\x18\x06 \x01(\x03\x12\x11\n\tpreparing\x18\x07 \x01(\x08\"\xb0\x02\n\x0eRunDescription\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_classes\x18\x04 \x01(\x05\x12\x13\n\x0bin_channels\x18\x05 \x01(\x05\x12\x12\n\nimage_size\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_rounds\x18\x07 \x01(\x05\x12\x1e\n\x16\x61lgorithm_options_json\x18\x08 \x01(\t\x12\x16\n\x0enormalize_mean\x18\t \x03(\x02\x12\x15\n\rnormalize_std\x18\n \x03(\x02\x12\x1a\n\x12model_options_json\x18\x0b \x01(\t\x12\x18\n\x10max_upload_bytes\x18\x0c \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\r \x01(\x03\"B\n\tJoinReply\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12$\n\x03run\x18\x02 \x01(\x0b\x32\x17.silo.v1.RunDescription\":\n\x0fNextTaskRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0flast_round_done\x18\x02 \x01(\x03\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x99\x03\n\x04Task\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.silo.v1.Task.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62undle_bytes\x18\x05 \x01(\x03\x12\x15\n\rbundle_sha256\x18\x06 \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\x07 \x01(\t\x12\x18\n\x10\x63lass_thresholds\x18\x08 \x03(\x02\x12%\n\x08\x65xpected\x18\t \x03(\x0b\x32\x13.silo.v1.TensorSpec\x12\x15\n\rretry_after_s\x18\n \x01(\x01\x12\x0f\n\x07message\x18\x0b \x01(\t\x12\x14\n\x0cprivacy_json\x18\x0c \x01(\t\x12\x14\n\x0csecagg_stage\x18\r \x01(\t\x12\x16\n\x0esecagg_payload\x18\x0e \x01(\x0c\"G\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\t\n\x05TRAIN\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\x12\n\n\x06SECAGG\x10\x04\"2\n\x0f\x44ownloadRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xef\x01\n\x0cUploadHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0f\n\x07skipped\x18\x06 \x01(\x08\x12\x33\n\x07metrics\x18\x07 \x03(\x0b\x32\".silo.v1.UploadHeader.MetricsEntry\x12\x14\n\x0csecagg_stage\x18\x08 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"a\n\rUploadMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.silo.v1.UploadHeaderH\x00\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0e.silo.v1.ChunkH\x00\x42\x06\n\x04part\"0\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xe5\x01\n\nFederation\x12\x30\n\x04Join\x12\x14.silo.v1.JoinRequest\x1a\x12.silo.v1.JoinReply\x12\x33\n\x08NextTask\x12\x18.silo.v1.NextTaskRequest\x1a\r.silo.v1.Task\x12\x36\n\x08\x44ownload\x12\x18.silo.v1.DownloadRequest\x1a\x0e.silo.v1.Chunk0\x01\x12\x38\n\x06Upload\x12\x16.silo.v1.UploadMessage\x1a\x14.silo.v1.UploadReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12silo/v1/silo.proto\x12\x07silo.v1\"\xa2\x01\n\x0bJoinRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x15\n\rnum_unlabeled\x18\x02 \x01(\x03\x12\x13\n\x0bnum_labeled\x18\x03 \x01(\x03\x12\x14\n\x0c\x63\x61pabilities\x18\x04 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0eskipped_images\x18\x06 \x01(\x03\x12\x11\n\tpreparing\x18\x07 \x01(\x08\"\xf2\x02\n\x0eRunDescription\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_classes\x18\x04 \x01(\x05\x12\x13\n\x0bin_channels\x18\x05 \x01(\x05\x12\x12\n\nimage_size\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_rounds\x18\x07 \x01(\x05\x12\x1e\n\x16\x61lgorithm_options_json\x18\x08 \x01(\t\x12\x16\n\x0enormalize_mean\x18\t \x03(\x02\x12\x15\n\rnormalize_std\x18\n \x03(\x02\x12\x1a\n\x12model_options_json\x18\x0b \x01(\t\x12\x18\n\x10max_upload_bytes\x18\x0c \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\r \x01(\x03\x12\x15\n\rmodel_factory\x18\x0e \x01(\t\x12)\n\x0c\x61rchitecture\x18\x0f \x03(\x0b\x32\x13.silo.v1.TensorSpec\"B\n\tJoinReply\x12\x0f\n\x07silo_id\x18\x01 \x01(\t\x12$\n\x03run\x18\x02 \x01(\x0b\x32\x17.silo.v1.RunDescription\":\n\x0fNextTaskRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0flast_round_done\x18\x02 \x01(\x03\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x99\x03\n\x04Task\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.silo.v1.Task.Kind\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62undle_bytes\x18\x05 \x01(\x03\x12\x15\n\rbundle_sha256\x18\x06 \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\x07 \x01(\t\x12\x18\n\x10\x63lass_thresholds\x18\x08 \x03(\x02\x12%\n\x08\x65xpected\x18\t \x03(\x0b\x32\x13.silo.v1.TensorSpec\x12\x15\n\rretry_after_s\x18\n \x01(\x01\x12\x0f\n\x07message\x18\x0b \x01(\t\x12\x14\n\x0cprivacy_json\x18\x0c \x01(\t\x12\x14\n\x0csecagg_stage\x18\r \x01(\t\x12\x16\n\x0esecagg_payload\x18\x0e \x01(\x0c\"G\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04WAIT\x10\x01\x12\t\n\x05TRAIN\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\x12\n\n\x06SECAGG\x10\x04\"2\n\x0f\x44ownloadRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xef\x01\n\x0cUploadHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0f\n\x07skipped\x18\x06 \x01(\x08\x12\x33\n\x07metrics\x18\x07 \x03(\x0b\x32\".silo.v1.UploadHeader.MetricsEntry\x12\x14\n\x0csecagg_stage\x18\x08 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"a\n\rUploadMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.silo.v1.UploadHeaderH\x00\x12\x1f\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0e.silo.v1.ChunkH\x00\x42\x06\n\x04part\"0\n\x0bUploadReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xe5\x01\n\nFederation\x12\x30\n\x04Join\x12\x14.silo.v1.JoinRequest\x1a\x12.silo.v1.JoinReply\x12\x33\n\x08NextTask\x12\x18.silo.v1.NextTaskRequest\x1a\r.silo.v1.Task\x12\x36\n\x08\x44ownload\x12\x18.silo.v1.DownloadRequest\x1a\x0e.silo.v1.Chunk0\x01\x12\x38\n\x06Upload\x12\x16.silo.v1.UploadMessage\x1a\x14.silo.v1.UploadReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=32
   _globals['_JOINREQUEST']._serialized_end=194
   _globals['_RUNDESCRIPTION']._serialized_start=197
-  _globals['_RUNDESCRIPTION']._serialized_end=501
-  _globals['_JOINREPLY']._serialized_start=503
-  _globals['_JOINREPLY']._serialized_end=569
-  _globals['_NEXTTASKREQUEST']._serialized_start=571
-  _globals['_NEXTTASKREQUEST']._serialized_end=629
-  _globals['_TENSORSPEC']._serialized_start=631
-  _globals['_TENSORSPEC']._serialized_end=687
-  _globals['_TASK']._serialized_start=690
-  _globals['_TASK']._serialized_end=1099
-  _globals['_TASK_KIND']._serialized_start=1028
-  _globals['_TASK_KIND']._serialized_end=1099
-  _globals['_DOWNLOADREQUEST']._serialized_start=1101
-  _globals['_DOWNLOADREQUEST']._serialized_end=1151
-  _globals['_CHUNK']._serialized_start=1153
-  _globals['_CHUNK']._serialized_end=1190
-  _globals['_UPLOADHEADER']._serialized_start=1193
-  _globals['_UPLOADHEADER']._serialized_end=1432
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1386
-  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1432
-  _globals['_UPLOADMESSAGE']._serialized_start=1434
-  _globals['_UPLOADMESSAGE']._serialized_end=1531
-  _globals['_UPLOADREPLY']._serialized_start=1533
-  _globals['_UPLOADREPLY']._serialized_end=1581
-  _globals['_FEDERATION']._serialized_start=1584
-  _globals['_FEDERATION']._serialized_end=1813
+  _globals['_RUNDESCRIPTION']._serialized_end=567
+  _globals['_JOINREPLY']._serialized_start=569
+  _globals['_JOINREPLY']._serialized_end=635
+  _globals['_NEXTTASKREQUEST']._serialized_start=637
+  _globals['_NEXTTASKREQUEST']._serialized_end=695
+  _globals['_TENSORSPEC']._serialized_start=697
+  _globals['_TENSORSPEC']._serialized_end=753
+  _globals['_TASK']._serialized_start=756
+  _globals['_TASK']._serialized_end=1165
+  _globals['_TASK_KIND']._serialized_start=1094
+  _globals['_TASK_KIND']._serialized_end=1165
+  _globals['_DOWNLOADREQUEST']._serialized_start=1167
+  _globals['_DOWNLOADREQUEST']._serialized_end=1217
+  _globals['_CHUNK']._serialized_start=1219
+  _globals['_CHUNK']._serialized_end=1256
+  _globals['_UPLOADHEADER']._serialized_start=1259
+  _globals['_UPLOADHEADER']._serialized_end=1498
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_start=1452
+  _globals['_UPLOADHEADER_METRICSENTRY']._serialized_end=1498
+  _globals['_UPLOADMESSAGE']._serialized_start=1500
+  _globals['_UPLOADMESSAGE']._serialized_end=1597
+  _globals['_UPLOADREPLY']._serialized_start=1599
+  _globals['_UPLOADREPLY']._serialized_end=1647
+  _globals['_FEDERATION']._serialized_start=1650
+  _globals['_FEDERATION']._serialized_end=1879
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: _Optional[bool] = ...) -> None: ...
 
 class RunDescription(_message.Message):
-    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes")
+    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class RunDescription(_message.Message):
     MODEL_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FACTORY_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     model: str
@@ -53,7 +55,9 @@ class RunDescription(_message.Message):
     model_options_json: str
     max_upload_bytes: int
     chunk_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    model_factory: str
+    architecture: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_factory: _Optional[str] = ..., architecture: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("silo_id", "run")
