@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+from silo_core.dicom import DicomError, read_dicom
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm")  # .dcm: silo_core/dicom.py
 
 # The most pixels one image may be decoded at. 64 megapixels (8000 x 8000) is above what scanners and radiology
 # devices write (a mammogram is about 20), while the models train at a few hundred pixels a side at most, so a
@@ -150,6 +152,17 @@ def _identify(fh: BinaryIO, path: Path) -> ImageFile.ImageFile:
     raise UnidentifiedImageError(f"cannot identify image file {str(path)!r}")
 
 
+def _open_image(fh: BinaryIO, path: Path) -> Image.Image:
+    """The image in ``fh``: a .dcm file read by silo_core.dicom (8-bit, first frame, size checked before its pixels
+    are read; the reason for a refusal is a fixed text, never a header value), any other file identified."""
+    if path.suffix.lower() != ".dcm":
+        return _identify(fh, path)
+    try:
+        return read_dicom(fh, MAX_IMAGE_PIXELS)
+    except DicomError as exc:
+        raise _Refused(str(exc)) from None
+
+
 def _to_8bit(img: Image.Image) -> Image.Image:
     """16-bit and float images (common in medical data) scaled to 8 bits; plain convert("L") would clip them."""
     arr = np.asarray(img, dtype=np.float64)
@@ -162,7 +175,7 @@ def _to_8bit(img: Image.Image) -> Image.Image:
 
 def _decode(path: Path, image_size: int, channels: int) -> np.ndarray:
     mode = "L" if channels == 1 else "RGB"
-    with _open_regular_file(path) as fh, _identify(fh, path) as img:
+    with _open_regular_file(path) as fh, _open_image(fh, path) as img:
         width, height = img.size
         img.draft(mode, (image_size, image_size))  # JPEG only: decode big photos at reduced scale, much faster
         if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:  # checked on the header, before any pixel is decoded
