@@ -404,6 +404,7 @@ class HubApp:
             "stopped_early": self.hub.stopped_reason or None,
             "weights_file": weights.name,
             "weights_sha256": sha256_hex(weights.read_bytes()),
+            "weights_round": state.round,  # the round whose model weights_file holds (best_round has its own)
             "inference": "load with safetensors, build the named model, load_state_dict, call .eval(); inputs are "
                          "images scaled to [0,1] then normalised with normalize_mean/std",
         }
