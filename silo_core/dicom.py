@@ -152,12 +152,10 @@ def _to_uint8(values: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(values), 0, 255).astype(np.uint8)
 
 
-def read_dicom(fh: BinaryIO, max_pixels: int) -> Image.Image:
-    """The first frame of the DICOM file open in ``fh`` as an 8-bit Pillow image ("L" or "RGB").
-
-    Raises DicomError (a fixed reason, no value from the file) for anything it will not or cannot read, including
-    images of more than ``max_pixels`` pixels, which are refused from the header before pixel data is read.
-    """
+def _read_header(fh: BinaryIO, max_pixels: int) -> tuple[Any, Any, str]:
+    """pydicom, the file's image elements and its photometric interpretation, once the header shows that the
+    file can be read: a DICOM file with an image of at most ``max_pixels`` pixels, a supported colour model and a
+    transfer syntax an installed decoder handles. No pixel data is read."""
     pydicom = _import_pydicom()
     fh.seek(0)
     ds = _attempt(lambda: pydicom.dcmread(fh, force=False, stop_before_pixels=True, specific_tags=_HEADER_TAGS),
@@ -173,7 +171,22 @@ def read_dicom(fh: BinaryIO, max_pixels: int) -> Image.Image:
         raise DicomError(f"DICOM photometric interpretation {known} is not supported; only grayscale "
                          f"(MONOCHROME1/2) and RGB/YBR colour images are read")
     _check_transfer_syntax(pydicom, ds)
+    return pydicom, ds, photometric
 
+
+def probe_dicom(fh: BinaryIO, max_pixels: int) -> None:
+    """Raises DicomError if ``read_dicom`` would refuse the file from its header alone; reads no pixel data.
+    A file that passes can still fail later on damaged pixel data."""
+    _read_header(fh, max_pixels)
+
+
+def read_dicom(fh: BinaryIO, max_pixels: int) -> Image.Image:
+    """The first frame of the DICOM file open in ``fh`` as an 8-bit Pillow image ("L" or "RGB").
+
+    Raises DicomError (a fixed reason, no value from the file) for anything it will not or cannot read, including
+    images of more than ``max_pixels`` pixels, which are refused from the header before pixel data is read.
+    """
+    pydicom, ds, photometric = _read_header(fh, max_pixels)
     fh.seek(0)
     frame = _attempt(lambda: pydicom.pixels.pixel_array(fh, index=0), BAD_PIXELS)  # reads only the first frame
     if photometric in GRAY:

@@ -14,7 +14,7 @@ from PIL import Image
 import silo_core.data
 import silo_core.dicom
 from silo_core.data import DataError, load_image_file, load_unlabeled_folder, save_png_folder
-from silo_core.dicom import BAD_PIXELS, NEEDS_PYDICOM, NO_IMAGE, NOT_DICOM, window
+from silo_core.dicom import BAD_PIXELS, NEEDS_PYDICOM, NO_IMAGE, NOT_DICOM, DicomError, probe_dicom, window
 from tests.dicom_files import SECRET_ID, SECRET_NAME, png_to_dicom, write_dicom
 
 pydicom = pytest.importorskip("pydicom", reason="needs pydicom: pip install 'silokit[dicom]'")
@@ -141,6 +141,23 @@ def test_unreadable_files_are_skipped_with_fixed_reasons_and_no_header_value_any
             exc = exc.__cause__ or exc.__context__
     for text in seen:
         assert not any(secret in text for secret in SECRETS), text
+
+
+def test_probe_refuses_from_the_header_alone(tmp_path, monkeypatch):
+    expected = unreadable_files(tmp_path)
+    decoded = []
+    monkeypatch.setattr(pydicom.pixels, "pixel_array", lambda *a, **k: decoded.append(1))
+    refused = {}
+    for path in sorted(tmp_path.iterdir()):
+        with open(path, "rb") as fh:
+            try:
+                probe_dicom(fh, 64)
+            except DicomError as exc:
+                refused[path.name] = str(exc)
+    # Damaged pixel data shows only when decoded; everything else is refused with read_dicom's reason.
+    assert set(refused) == set(expected) - {"truncated-pixels.dcm"}
+    assert all(reason.startswith(expected[name]) for name, reason in refused.items())
+    assert decoded == []
 
 
 def test_compressed_without_a_decoder_names_the_packages(tmp_path):
