@@ -76,3 +76,35 @@ def test_every_algorithm_block_in_docs_algorithms_is_a_valid_config_section():
         config.algorithm.parsed_options()
         names.append(config.algorithm.name)
     assert sorted(names) == sorted(ALGORITHMS)
+
+
+def test_the_bring_your_own_model_examples_work(tmp_path, monkeypatch):
+    """docs/byo-model.md: the hub.yaml parses, and its factory example, installed as written, builds a network the
+    registry accepts with the options the page gives."""
+    import re
+    import sys
+
+    import torch
+    import yaml
+
+    from silo_core.models import ModelSpec
+    from silo_server.config import ModelSection, parse_config
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "byo-model.md").read_text()
+    hub, factory_model = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "resnet18.safetensors").write_bytes(b"")  # only its existence is checked here
+    config = parse_config(hub, base=tmp_path)
+    assert (config.model.name, config.model.in_channels, config.model.image_size) == ("torchvision/resnet18", 1, 224)
+    (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    package = tmp_path / "site" / "their_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "models.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "their_pkg", raising=False)
+    section = ModelSection.model_validate(factory_model["model"])
+    spec = ModelSpec(section.factory, num_classes=3, in_channels=section.in_channels, image_size=section.image_size,
+                     options=section.options, factory=section.factory)
+    model = spec.build()
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) == 5  # depth 5 from options
