@@ -1,7 +1,11 @@
 """Image data: folders of image files, torchvision's on-disk datasets, and the bundled demo set.
 
-Everything becomes an ``ImageSet``: a uint8 N x C x H x W tensor at the model's size and channel count, plus
-labels and class names. Files that cannot be decoded are skipped and listed, because one bad file in a silo's
+Everything becomes an ``ImageSet``: N images at the model's size and channel count, plus labels and class names.
+The images are a uint8 N x C x H x W tensor when their decoded pixels fit in ``cache_mb`` (small images: the demo,
+Fashion-MNIST-style sets, every in-memory dataset), otherwise an ``ImageFiles``: the paths, decoded batch by batch
+through a DataLoader as training asks for them (``image_batches``), so memory does not grow with the folder.
+Algorithms read pixels only through ``image_batches`` / ``padded_image_batches``, which serve both kinds alike.
+Files that cannot be decoded are skipped and listed, because one bad file in a silo's
 folder of thousands must not stop a federation; so are files that are not regular files (a FIFO or device named
 like an image) and images over ``MAX_IMAGE_PIXELS`` that cannot be read at reduced scale. Nothing here downloads,
 unpickles or trusts file contents beyond decoding pixels (torchvision's CIFAR10/SVHN readers are used only after
@@ -10,13 +14,16 @@ their md5 checks pass).
 
 from __future__ import annotations
 
+import copy
 import gzip
+import hashlib
 import importlib.resources
+import logging
 import os
 import re
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -25,8 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset
 
-from silo_core.dicom import DicomError, read_dicom
+from silo_core.dicom import DicomError, probe_dicom, read_dicom
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm")  # .dcm: silo_core/dicom.py
 
@@ -38,6 +46,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm")  #
 # other formats over it, and JPEGs still over it at 1/8 scale, are skipped with the reason.
 MAX_IMAGE_PIXELS = 64_000_000
 DEMO_FILE = "fashion_mnist_demo.npz"
+
+log = logging.getLogger("silo_core.data")
 
 FASHION_MNIST_CLASSES = [
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
@@ -53,13 +63,17 @@ class DataError(Exception):
 
 @dataclass
 class ImageSet:
-    images: torch.Tensor  # uint8, N x C x H x W
+    images: torch.Tensor | ImageFiles  # uint8 N x C x H x W in memory, or files decoded batch by batch
     labels: torch.Tensor | None  # int64 [N], None for unlabeled data
     classes: list[str]  # class names, index = label; [] for unlabeled data
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason) of files that were skipped
+    # (path, reason) of files skipped when the folder was loaded; files found unreadable later, while training on
+    # an ImageFiles, are in images.skipped
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.images.dtype != torch.uint8 or self.images.ndim != 4:
+        if isinstance(self.images, ImageFiles):
+            pass  # its shape and dtype are right by construction
+        elif self.images.dtype != torch.uint8 or self.images.ndim != 4:
             raise ValueError(f"ImageSet.images must be uint8 N x C x H x W, got {self.images.dtype} "
                              f"{tuple(self.images.shape)}")
         if self.labels is not None and tuple(self.labels.shape) != (len(self.images),):
@@ -205,6 +219,232 @@ def load_image_file(path: str | os.PathLike[str], image_size: int, channels: int
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
+# --- image files read lazily ---------------------------------------------------------------------------------
+
+# A folder whose decoded pixels (N x C x H x W bytes) fit in this many MiB is decoded once, when loaded, into one
+# tensor: re-decoding small images on every pass costs more than it saves (28 px: 784 bytes an image, 670,000 of
+# them per 512 MiB). A bigger folder is read from disk batch by batch, so memory does not grow with the image
+# count (224 px RGB: 150 KB an image, 3 GB for 20,000). silo-client --cache-mb and hub.yaml data.cache_mb set it.
+DEFAULT_CACHE_MB = 512.0
+# Processes decoding images for a lazily read folder while the training process trains (0: decode in the
+# training process itself). silo-client --loader-workers and hub.yaml data.loader_workers set it.
+DEFAULT_LOADER_WORKERS = 2
+_LOGGED_UNREADABLE = 10  # files found unreadable while training that are logged one by one (per folder)
+
+
+def fits_in_memory(num_images: int, image_size: int, channels: int, cache_mb: float) -> bool:
+    """Whether ``num_images`` decoded images take at most ``cache_mb`` MiB (then they are kept in memory)."""
+    return num_images * channels * image_size * image_size <= cache_mb * 2**20
+
+
+def _probe(path: Path, image_size: int, channels: int) -> None:
+    """Refuses, from the file's type and header alone, what _decode would refuse before decoding a pixel: a file
+    that is not a regular file, is no image, or is over MAX_IMAGE_PIXELS (a JPEG at its reduced draft scale). What
+    only the pixels show (a truncated file) is found when the file is first decoded."""
+    with _open_regular_file(path) as fh:
+        if path.suffix.lower() == ".dcm":
+            try:
+                probe_dicom(fh, MAX_IMAGE_PIXELS)
+            except DicomError as exc:
+                raise _Refused(str(exc)) from None
+            return
+        with _identify(fh, path) as img:
+            width, height = img.size
+            img.draft("L" if channels == 1 else "RGB", (image_size, image_size))  # as _decode does
+            if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:
+                raise _Refused(f"{width}x{height} pixels exceeds the {MAX_IMAGE_PIXELS / 1e6:g}-megapixel limit")
+
+
+def _probe_files(paths: list[Path], image_size: int, channels: int) -> tuple[list[int], list[tuple[str, str]]]:
+    """The positions in ``paths`` whose header passes _probe, and (path, reason) of the others."""
+    ok: list[int] = []
+    skipped: list[tuple[str, str]] = []
+    for i, path in enumerate(paths):
+        try:
+            _probe(path, image_size, channels)
+            ok.append(i)
+        except Exception as exc:  # as in _load_files: a bad file is skipped and reported
+            skipped.append((str(path), _reason(exc)))
+    return ok, skipped
+
+
+class _FileReader(Dataset):
+    """What a DataLoader worker gets: the paths and the target format, nothing else. The paths are one numpy byte
+    array rather than a list of Path objects, whose reference counts a forked worker would write to (copying the
+    memory pages they live on); decoding is _decode's, so an image is the same whichever process decodes it."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], image_size: int, channels: int):
+        self.paths = np.array([os.fsencode(p) for p in paths], dtype=np.bytes_)
+        self.image_size, self.channels = image_size, channels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def path(self, row: int) -> Path:
+        return Path(os.fsdecode(self.paths[row]))
+
+    def __getitem__(self, row: int) -> tuple[np.ndarray | None, str]:
+        try:
+            return _decode(self.path(row), self.image_size, self.channels), ""
+        except Exception as exc:  # reported to the training process, which counts it; never fatal
+            return None, _reason(exc)
+
+    def collate(self, items: list[tuple[np.ndarray | None, str]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(ok, pixels, [(position, reason)]): a zero image where a file failed, so positions stay aligned."""
+        pixels = torch.zeros((len(items), self.channels, self.image_size, self.image_size), dtype=torch.uint8)
+        ok = torch.zeros(len(items), dtype=torch.bool)
+        failed = []
+        for i, (arr, reason) in enumerate(items):
+            if arr is None:
+                failed.append((i, reason))
+            else:
+                pixels[i] = torch.from_numpy(arr)
+                ok[i] = True
+        return ok, pixels, failed
+
+
+class ImageFiles:
+    """Image files decoded only when a batch of them is read (``image_batches``), each exactly as a folder
+    loaded into memory would hold it (uint8 C x H x W at the model's size).
+
+    It stands in for the in-memory tensor where algorithms need one: ``len()``, ``.shape`` (N, C, H, W), and
+    indexing by a slice, an index tensor or a boolean mask, which gives another ImageFiles over those files (a
+    view: no pixel is read). A file that fails to decode while being read (damaged or replaced after the folder was
+    listed) is left out of its batch, remembered so it is never decoded again, and listed in ``skipped``; all views
+    of one folder share what was found. ``workers`` processes decode while the caller trains.
+    """
+
+    dtype = torch.uint8
+    ndim = 4
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], image_size: int, channels: int,
+                 workers: int = DEFAULT_LOADER_WORKERS):
+        _check_format(image_size, channels)
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0 (0 decodes in this process), got {workers}")
+        self.reader = _FileReader(paths, image_size, channels)
+        self.rows = torch.arange(len(self.reader))  # this view's files, as rows of the reader
+        self.workers = workers
+        self._bad = torch.zeros(len(self.reader), dtype=torch.bool)  # shared by all views, updated in place
+        self._skipped: list[tuple[str, str]] = []  # shared too: (path, reason) found while reading
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.rows), self.reader.channels, self.reader.image_size, self.reader.image_size))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"ImageFiles({len(self)} files, {tuple(self.shape[1:])}, {self.workers} workers)"
+
+    def __getitem__(self, key: slice | Sequence[int] | np.ndarray | torch.Tensor) -> ImageFiles:
+        if isinstance(key, slice):
+            rows = self.rows[key]
+        else:
+            index = key if isinstance(key, torch.Tensor) else torch.as_tensor(np.asarray(key))
+            if index.ndim != 1:
+                raise TypeError("index ImageFiles with a slice, a 1-D index tensor or a boolean mask; read pixels "
+                                "through silo_core.data.image_batches")
+            rows = self.rows[index if index.dtype == torch.bool else index.long()]
+        view = copy.copy(self)  # shares the reader and what was found unreadable
+        view.rows = rows
+        return view
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.reader.path(int(r)) for r in self.rows]
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        """(path, reason) of the files of this folder found unreadable while reading, in the order found."""
+        return list(self._skipped)
+
+    def readable(self) -> torch.Tensor:
+        """A boolean mask over this view: False for files found unreadable so far."""
+        return ~self._bad[self.rows]
+
+    def fingerprint(self) -> str:
+        """Ties state kept about these images (FedSEAL's self-ensemble) to these files in this order: their paths,
+        sizes and modification times, so a changed folder or a rewritten file starts afresh."""
+        digest = hashlib.sha256()
+        for path in self.paths:
+            try:
+                st = path.stat()
+                stamp = f"{st.st_size}:{st.st_mtime_ns}"
+            except OSError:  # deleted since listed: a changed folder, so a new fingerprint
+                stamp = "gone"
+            digest.update(os.fsencode(path) + b"\0" + stamp.encode() + b"\n")
+        return digest.hexdigest()
+
+    def _found_unreadable(self, row: int, reason: str) -> None:
+        if bool(self._bad[row]):
+            return  # found again by a batch that was already on its way
+        self._bad[row] = True
+        path = self.reader.path(row)
+        self._skipped.append((str(path), reason))
+        if len(self._skipped) <= _LOGGED_UNREADABLE:
+            log.warning("skipped image %s, unreadable while training: %s", path, reason)
+        if len(self._skipped) == _LOGGED_UNREADABLE:
+            log.warning("%d images found unreadable while training; further ones are counted, not logged",
+                        _LOGGED_UNREADABLE)
+
+    def read(self, index_batches: Iterable[torch.Tensor], pin_memory: bool = False,
+             workers: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """padded_image_batches for these files: one DataLoader over the given batches, in their order, so the
+        caller's shuffling and augmentation (seeded, in this process) are those of the in-memory path."""
+        rows = [self.rows[torch.as_tensor(b, dtype=torch.long)] for b in index_batches]
+        known = [self._bad[r] for r in rows]
+        todo = [r[~k].tolist() for r, k in zip(rows, known, strict=True)]  # known-bad files are not read again
+        workers = min(self.workers if workers is None else workers, len(todo))
+        loader = DataLoader(self.reader, batch_sampler=todo, collate_fn=self.reader.collate, num_workers=workers,
+                            pin_memory=pin_memory)
+        for r, k, wanted, (ok, pixels, failed) in zip(rows, known, todo, loader, strict=True):
+            for position, reason in failed:
+                self._found_unreadable(wanted[position], reason)
+            if bool(k.any()):  # put the batch back in the caller's positions, known-bad files as gaps
+                full_ok = torch.zeros(len(r), dtype=torch.bool)
+                full_ok[~k] = ok
+                full = pixels.new_zeros((len(r), *pixels.shape[1:]))
+                full[~k] = pixels
+                ok, pixels = full_ok, full
+            yield ok, pixels
+
+
+Images = torch.Tensor | ImageFiles
+
+
+def padded_image_batches(images: Images, index_batches: Iterable[torch.Tensor], pin_memory: bool = False,
+                         workers: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """For each batch of indices into ``images``: (ok, pixels), pixels uint8 len(batch) x C x H x W in the batch's
+    order and ok a boolean mask of the positions that could be read (an unreadable file gives a zero image there;
+    ok is all True for images in memory). ``pin_memory`` (for a CUDA device) puts read pixels in page-locked memory,
+    so that copies to the device can be asynchronous; ``workers`` overrides the files' own number of processes."""
+    if isinstance(images, ImageFiles):
+        yield from images.read(index_batches, pin_memory, workers)
+        return
+    for idx in index_batches:
+        yield torch.ones(len(idx), dtype=torch.bool), images[idx]
+
+
+def image_batches(images: Images, index_batches: Iterable[torch.Tensor], pin_memory: bool = False,
+                  workers: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """For each batch of indices into ``images``: (kept, pixels), the indices of the batch that could be read and
+    their pixels (for images in memory, the batch itself and ``images[batch]``). Labels or pseudo-labels indexed
+    by ``kept`` stay aligned with the pixels when a file turns out to be unreadable."""
+    index_batches = [torch.as_tensor(b, dtype=torch.long) for b in index_batches]
+    for idx, (ok, pixels) in zip(index_batches, padded_image_batches(images, index_batches, pin_memory, workers),
+                                 strict=True):
+        yield (idx, pixels) if bool(ok.all()) else (idx[ok], pixels[ok])
+
+
+def readable(images: Images) -> torch.Tensor:
+    """A boolean mask over ``images``: False for files found unreadable so far (all True in memory)."""
+    if isinstance(images, ImageFiles):
+        return images.readable()
+    return torch.ones(len(images), dtype=torch.bool)
+
+
 # --- folders -------------------------------------------------------------------------------------------------
 
 
@@ -257,25 +497,34 @@ def _nothing_usable(root: Path, skipped: list[tuple[str, str]]) -> DataError:
                      f"check that they are valid {'/'.join(IMAGE_EXTENSIONS)} images")
 
 
-def load_unlabeled_folder(root: str | os.PathLike[str], image_size: int, channels: int) -> ImageSet:
-    """All images under ``root`` (recursively), e.g. a silo's local data."""
+def load_unlabeled_folder(root: str | os.PathLike[str], image_size: int, channels: int, *,
+                          cache_mb: float = DEFAULT_CACHE_MB, workers: int = DEFAULT_LOADER_WORKERS) -> ImageSet:
+    """All images under ``root`` (recursively), e.g. a silo's local data: decoded into memory when their pixels
+    fit in ``cache_mb`` MiB, otherwise files read batch by batch by ``workers`` processes (see ImageFiles)."""
     _check_format(image_size, channels)
     folder = _check_folder(root, "image")
     paths = list_image_files(folder)
     if not paths:
         raise DataError(f"no images found in {folder} (looked recursively for {', '.join(IMAGE_EXTENSIONS)}); "
                         f"put the image files there or point to the right folder")
+    if not fits_in_memory(len(paths), image_size, channels, cache_mb):
+        ok, skipped = _probe_files(paths, image_size, channels)
+        if not ok:
+            raise _nothing_usable(folder, skipped)
+        return ImageSet(ImageFiles([paths[i] for i in ok], image_size, channels, workers), None, [], skipped)
     arrays, _, skipped = _load_files(paths, image_size, channels)
     if not arrays:
         raise _nothing_usable(folder, skipped)
     return ImageSet(_stack(arrays, image_size, channels), None, [], skipped)
 
 
-def load_labeled_folder(root: str | os.PathLike[str], image_size: int, channels: int) -> ImageSet:
+def load_labeled_folder(root: str | os.PathLike[str], image_size: int, channels: int, *,
+                        cache_mb: float = DEFAULT_CACHE_MB, workers: int = DEFAULT_LOADER_WORKERS) -> ImageSet:
     """ImageFolder layout: ``root/<class>/**/<image>``; sorted class-folder names give the label order.
 
     A class folder may be empty (a site need not hold every class; the label space stays the same everywhere).
-    Images directly under ``root`` belong to no class: they are listed in ``skipped``.
+    Images directly under ``root`` belong to no class: they are listed in ``skipped``. In memory or read from
+    disk batch by batch as for load_unlabeled_folder.
     """
     _check_format(image_size, channels)
     folder = _check_folder(root, "labeled image")
@@ -287,23 +536,28 @@ def load_labeled_folder(root: str | os.PathLike[str], image_size: int, channels:
         raise DataError(f"labeled folder {folder} has no class sub-folders{hint}; put each class's images in "
                         f"its own sub-folder, e.g. {folder}/cat/1.png and {folder}/dog/2.png")
     skipped: list[tuple[str, str]] = [(str(f), "not inside a class sub-folder; ignored") for f in loose]
+    class_paths = [list_image_files(class_dir) for class_dir in class_dirs]
+    num_files = sum(len(paths) for paths in class_paths)
+    lazy = not fits_in_memory(num_files, image_size, channels, cache_mb)
     arrays: list[np.ndarray] = []
+    kept: list[Path] = []  # the readable files, when they are read lazily
     labels: list[int] = []
-    num_files = 0
-    for label, class_dir in enumerate(class_dirs):
-        paths = list_image_files(class_dir)
-        num_files += len(paths)
-        class_arrays, _, class_skipped = _load_files(paths, image_size, channels)
-        arrays.extend(class_arrays)
-        labels.extend([label] * len(class_arrays))
+    for label, paths in enumerate(class_paths):
+        if lazy:
+            ok, class_skipped = _probe_files(paths, image_size, channels)
+            kept.extend(paths[i] for i in ok)
+        else:
+            class_arrays, ok, class_skipped = _load_files(paths, image_size, channels)
+            arrays.extend(class_arrays)
+        labels.extend([label] * len(ok))
         skipped.extend(class_skipped)
     if num_files == 0:
         raise DataError(f"no images found in the class folders under {folder} (looked for "
                         f"{', '.join(IMAGE_EXTENSIONS)}); put each class's images in its sub-folder")
-    if not arrays:
+    if not labels:
         raise _nothing_usable(folder, [s for s in skipped if not s[1].startswith("not inside")])
-    return ImageSet(_stack(arrays, image_size, channels), torch.tensor(labels, dtype=torch.int64),
-                    [d.name for d in class_dirs], skipped)
+    images = ImageFiles(kept, image_size, channels, workers) if lazy else _stack(arrays, image_size, channels)
+    return ImageSet(images, torch.tensor(labels, dtype=torch.int64), [d.name for d in class_dirs], skipped)
 
 
 # --- in-memory arrays (torchvision datasets, demo data) ------------------------------------------------------

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from silo_core.config_base import StrictConfig
+from silo_core.data import Images, image_batches
 from silo_core.files import write_json_atomic
 
 log = logging.getLogger("silo_core.dp_sgd")
@@ -106,7 +107,7 @@ def dp_schedule(num_examples: int, batch_size: int, epochs: int) -> tuple[float,
 
 def dp_sgd_train(
     model: nn.Module,
-    images: torch.Tensor,
+    images: Images,
     targets: torch.Tensor,
     view: Callable[[torch.Tensor], torch.Tensor],
     *,
@@ -146,10 +147,13 @@ def dp_sgd_train(
     warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
     total, steps = 0.0, 0
     for _ in range(epochs):
-        for (idx,) in private_loader:
+        # The epoch's Poisson draws first, then their pixels (read from disk for a big folder); the draws are the
+        # same either way. An image whose file turns out unreadable is left out of its batch. Always float32.
+        draws = [idx for (idx,) in private_loader]
+        for idx, pixels in image_batches(images, draws):
             if len(idx) == 0:  # an empty Poisson draw: nothing to step on (the ledger still counts it)
                 continue
-            x = view(images[idx]).to(device)
+            x = view(pixels).to(device)
             loss = F.cross_entropy(private_model(x), targets[idx].to(device))
             private_optimizer.zero_grad(set_to_none=True)
             loss.backward()

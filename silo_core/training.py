@@ -1,7 +1,14 @@
-"""Training building blocks shared by the algorithms: devices, optimisers, LR schedule, supervised epochs, eval."""
+"""Training building blocks shared by the algorithms: devices, optimisers, LR schedule, supervised epochs, eval.
+
+Pixels come only through silo_core.data's image_batches, which serves images held in memory and image files read
+by DataLoader workers alike (an unreadable file is left out of its batch). On a CUDA device training and inference
+run under bfloat16 autocast with channels_last models, and read batches are pinned and copied asynchronously; on
+the CPU everything runs in float32 exactly as it always has.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -10,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from silo_core.augment import to_float, weak_augment
+from silo_core.data import Images, image_batches, readable
 from silo_core.sbn import compute_static_bn
 
 
@@ -21,6 +29,35 @@ def resolve_device(name: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device auto or cpu")
     return device
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast on a CUDA device that has it (Ampere and later): convolutions run on tensor cores at about
+    twice float32's speed, and bfloat16 keeps float32's exponent range, so no loss scaling is needed. Elsewhere (the
+    CPU, older GPUs) nothing changes: float32, bit for bit as before. Static BN statistics and DP-SGD never use it."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` moved to ``device`` (in place, as nn.Module.to); on CUDA also in channels_last memory format, the
+    layout cuDNN's fastest convolution kernels want (it only changes 4-D weights, so any model takes it)."""
+    model.to(device)
+    if device.type == "cuda":
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
+def pinned(device: torch.device) -> bool:
+    """Whether batches read for ``device`` should be in page-locked memory (then copied with non_blocking)."""
+    return device.type == "cuda"
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on ``device``; asynchronous from pinned memory. The augmentations then run there too (they draw
+    their random numbers on the CPU, so a seed gives the same draws on every device)."""
+    return x.to(device, non_blocking=True)
 
 
 @dataclass
@@ -74,7 +111,7 @@ def shuffled_batches(n: int, batch_size: int, generator: torch.Generator) -> lis
 
 def train_supervised(
     model: nn.Module,
-    images: torch.Tensor,
+    images: Images,
     labels: torch.Tensor,
     *,
     epochs: int,
@@ -90,13 +127,17 @@ def train_supervised(
     """Plain CE training on weakly augmented labeled images (SemiFL's ServerUpdate). Returns the mean loss."""
     if len(images) < 2 or epochs <= 0:
         return float("nan")
-    model.to(device).train()
+    on_device(model, device).train()
     optimizer = make_sgd(model, lr, opt)
     total, steps = 0.0, 0
     for _ in range(epochs):
-        for idx in shuffled_batches(len(images), batch_size, generator):
-            x = to_float(weak_augment(images[idx], flip=flip, generator=generator), mean, std).to(device)
-            loss = F.cross_entropy(model(x), labels[idx].to(device))
+        order = shuffled_batches(len(images), batch_size, generator)
+        for idx, x in image_batches(images, order, pinned(device)):
+            if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
+                continue
+            x = to_float(weak_augment(to_device(x, device), flip=flip, generator=generator), mean, std)
+            with autocast(device):
+                loss = F.cross_entropy(model(x), labels[idx].to(device))
             sgd_step(model, optimizer, loss, opt.grad_clip)
             total, steps = total + loss.item(), steps + 1
     return total / max(steps, 1)
@@ -105,7 +146,7 @@ def train_supervised(
 @torch.no_grad()
 def predict_logits(
     model: nn.Module,
-    images: torch.Tensor,
+    images: Images,
     mean: list[float],
     std: list[float],
     device: torch.device,
@@ -114,38 +155,55 @@ def predict_logits(
     flip: bool = True,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Logits in eval mode (static BN statistics), optionally on the weak view. Returned on the CPU."""
-    model.to(device).eval()
-    out = []
-    for start in range(0, len(images), batch_size):
-        x = images[start : start + batch_size]
+    """Logits in eval mode (static BN statistics), optionally on the weak view. Returned on the CPU, float32.
+
+    An image whose file turns out to be unreadable gets all-zero logits (a uniform prediction); readable(images)
+    tells them apart afterwards, and callers leave them out of what they select and score."""
+    on_device(model, device).eval()
+    if len(images) == 0:
+        return torch.zeros(0, 0)
+    out: torch.Tensor | None = None
+    for idx, x in image_batches(images, torch.arange(len(images)).split(batch_size), pinned(device)):
+        if len(idx) == 0:
+            continue
+        x = to_device(x, device)
         if weak:
             x = weak_augment(x, flip=flip, generator=generator)
-        out.append(model(to_float(x, mean, std).to(device)).float().cpu())
-    if not out:
-        return torch.zeros(0, 0)
-    return torch.cat(out)
+        with autocast(device):
+            logits = model(to_float(x, mean, std)).float().cpu()
+        if out is None:
+            out = torch.zeros(len(images), logits.shape[1])
+        out[idx] = logits
+    if out is None:  # not one image could be read: zero logits of the model's width
+        probe = torch.zeros((1, *images.shape[1:]), dtype=torch.uint8)
+        out = torch.zeros(len(images), model(to_float(probe, mean, std).to(device)).shape[1])
+    return out
 
 
 def evaluate(
     model: nn.Module,
-    images: torch.Tensor,
+    images: Images,
     labels: torch.Tensor,
     mean: list[float],
     std: list[float],
     device: torch.device,
 ) -> dict[str, float]:
+    """Accuracy and mean cross-entropy over ``images``; an image whose file is unreadable is left out of both."""
     logits = predict_logits(model, images, mean, std, device)
+    ok = readable(images)
+    if not bool(ok.all()):
+        logits, labels = logits[ok], labels[ok]
     return {
         "accuracy": float((logits.argmax(1) == labels).float().mean()),
         "loss": float(F.cross_entropy(logits, labels)),
     }
 
 
-def clean_batches(images: torch.Tensor, mean: list[float], std: list[float], device: torch.device, batch_size=250):
-    """Un-augmented float batches, for static-BN statistics."""
-    for start in range(0, len(images), batch_size):
-        yield to_float(images[start : start + batch_size], mean, std).to(device)
+def clean_batches(images: Images, mean: list[float], std: list[float], device: torch.device, batch_size=250):
+    """Un-augmented float batches, for static-BN statistics (unreadable files are left out)."""
+    for idx, x in image_batches(images, torch.arange(len(images)).split(batch_size), pinned(device)):
+        if len(idx):
+            yield to_float(to_device(x, device), mean, std)
 
 
 def seeded_generator(*parts: int) -> torch.Generator:
@@ -156,7 +214,7 @@ def seeded_generator(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def hub_update(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, **train_args) -> float:
+def hub_update(model: nn.Module, images: Images, labels: torch.Tensor, **train_args) -> float:
     """SemiFL's ServerUpdate (train_supervised with the same arguments) followed by the static-BN statistics of
     the hub's labeled images."""
     loss = train_supervised(model, images, labels, **train_args)

@@ -21,6 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from silo_core.config_base import StrictConfig
+from silo_core.data import Images
 from silo_core.models import ModelSpec, load_weights
 from silo_core.tensors import TensorSpec
 from silo_core.training import OptimizerSettings, scheduled_lr
@@ -95,15 +96,16 @@ class SiloResult:
 
 @dataclass
 class SiloData:
-    """A site's local data: images (uint8 N x C x H x W, possibly none) and, where the site has them, a separate
-    set of labeled images (HASSLE: any site may hold labeled data, unlabeled data, or both)."""
+    """A site's local data: images (uint8 N x C x H x W, possibly none; in memory or files read batch by batch, see
+    silo_core.data) and, where the site has them, a separate set of labeled images (HASSLE: any site may hold
+    labeled data, unlabeled data, or both)."""
 
-    images: torch.Tensor
+    images: Images
     labels: torch.Tensor | None = None  # labels of `images`, only where the site has them
     true_labels: torch.Tensor | None = None  # simulation only: the true labels of `images`
     state_dir: Path | None = None  # where a silo half may persist its own state across restarts
     silo_id: str = ""
-    labeled_images: torch.Tensor | None = None  # a site's labeled images (silo-client --labeled) ...
+    labeled_images: Images | None = None  # a site's labeled images (silo-client --labeled) ...
     labeled_labels: torch.Tensor | None = None  # ... and their labels
     run_id: str = ""  # the hub's run: state a silo half persists is kept per run
 
@@ -114,9 +116,9 @@ class SiloData:
 
 @dataclass
 class HubData:
-    labeled_images: torch.Tensor
+    labeled_images: Images
     labeled_labels: torch.Tensor
-    validation_images: torch.Tensor | None = None
+    validation_images: Images | None = None
     validation_labels: torch.Tensor | None = None
 
 
@@ -194,13 +196,16 @@ def load_model(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], prefix: str
 
 
 def model_tensors(model: nn.Module, prefix: str = "model/") -> dict[str, torch.Tensor]:
-    return {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    # contiguous_format: a model trained channels_last on CUDA still hands over plain row-major tensors
+    return {prefix + k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+            for k, v in model.state_dict().items()}
 
 
 def weighted_delta(model: nn.Module, start: Mapping[str, torch.Tensor], weight: float,
                    prefix: str = "delta/") -> dict[str, torch.Tensor]:
     """weight * (trained - received) for every parameter: what a site sends so the hub needs only sums."""
-    return {f"{prefix}{n}": (p.detach().cpu() - start[n].cpu()) * weight for n, p in model.named_parameters()}
+    return {f"{prefix}{n}": ((p.detach().cpu() - start[n].cpu()) * weight).contiguous()
+            for n, p in model.named_parameters()}
 
 
 @torch.no_grad()

@@ -47,14 +47,19 @@ from silo_core.algorithms.base import (
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.data import image_batches
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    autocast,
     clean_batches,
     make_sgd,
+    on_device,
+    pinned,
     seeded_generator,
     sgd_step,
     shuffled_batches,
+    to_device,
     train_supervised,
 )
 
@@ -164,20 +169,23 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
         metrics = {"pl_total": 0.0, "pl_selected": 0.0}
         if n < 2:
             return SiloResult(tensors={}, metrics=metrics, skipped=True)
-        model = load_model(spec, plan.tensors).to(device)
+        model = on_device(load_model(spec, plan.tensors), device)
         start = {k: p.detach().clone() for k, p in model.named_parameters()}
         model.train()
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         total_loss, steps, correct = 0.0, 0, 0.0
         for _ in range(o.local_epochs):
-            for idx in shuffled_batches(n, o.silo_batch_size, gen):
-                x = data.images[idx]
+            for idx, x in image_batches(data.images, shuffled_batches(n, o.silo_batch_size, gen), pinned(device)):
+                if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
+                    continue
+                x = to_device(x, device)
                 weak = weak_augment(x, flip=o.flip, generator=gen)
                 strong = strong_augment(x, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                         cutout=o.cutout, flip=o.flip, generator=gen)
-                # Pseudo-labels come from the model being trained, batch by batch: the vanilla choice.
-                logits = model(to_float(torch.cat([weak, strong]), spec.mean, spec.std).to(device))
-                loss, pseudo, mask = fixmatch_loss(logits[: len(idx)], logits[len(idx):], o.tau)
+                with autocast(device):
+                    # Pseudo-labels come from the model being trained, batch by batch: the vanilla choice.
+                    logits = model(to_float(torch.cat([weak, strong]), spec.mean, spec.std))
+                    loss, pseudo, mask = fixmatch_loss(logits[: len(idx)], logits[len(idx):], o.tau)
                 sgd_step(model, optimizer, o.unlabeled_weight * loss, o.grad_clip)
                 metrics["pl_total"] += len(idx)
                 metrics["pl_selected"] += float(mask.sum())

@@ -55,15 +55,20 @@ from silo_core.algorithms.base import (
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.data import ImageFiles, Images, image_batches, readable
 from silo_core.rounds import threshold_metric
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    autocast,
     hub_update,
     make_sgd,
+    on_device,
+    pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
+    to_device,
 )
 
 log = logging.getLogger("silo_core.fedseal")
@@ -182,8 +187,11 @@ class SelfEnsemble:
         return True
 
 
-def image_fingerprint(images: torch.Tensor) -> str:
-    """Ties a stored ensemble to exactly these images in this order: a changed folder starts afresh."""
+def image_fingerprint(images: Images) -> str:
+    """Ties a stored ensemble to exactly these images in this order: a changed folder starts afresh. Images in
+    memory are hashed pixel by pixel; files read lazily by path, size and modification time (ImageFiles)."""
+    if isinstance(images, ImageFiles):
+        return images.fingerprint()
     return hashlib.sha256(images.contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -262,6 +270,9 @@ class FedSEALHub(HubAlgorithm):
         o, spec = self.options, self.model_spec
         probs = predict_logits(model, self.data.validation_images, spec.mean, spec.std, self.device).softmax(dim=1)
         labels = self.data.validation_labels
+        ok = readable(self.data.validation_images)
+        if not bool(ok.all()):  # validation images whose files turned out unreadable are left out
+            probs, labels = probs[ok], labels[ok]
         tau = class_thresholds(probs, labels, spec.num_classes, o.threshold_denominator, o.threshold_min,
                                o.threshold_max, o.threshold_fallback)
         return tau
@@ -346,17 +357,20 @@ class FedSEALSilo(SiloAlgorithm):
             raise ValueError(f"FedSEAL needs {spec.num_classes} class thresholds with the model, got "
                              f"{len(plan.class_thresholds)}")
         gen = seeded_generator(int(plan.hyperparameters.get("seed", 0)), plan.round, zlib.crc32(data.silo_id.encode()))
-        model = load_model(spec, plan.tensors).to(device)
+        model = on_device(load_model(spec, plan.tensors), device)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
         # (1) p(x; w_t) on the un-augmented images, folded into the self-ensemble pbar_t.
         probs = predict_logits(model, data.images, spec.mean, spec.std, device).softmax(dim=1)
         pbar = self._ensemble(data, probs, plan.round).mean
 
-        # (2) Positive set against the hub's per-class thresholds; negative set with complementary labels.
+        # (2) Positive set against the hub's per-class thresholds; negative set with complementary labels. An image
+        # whose file turned out unreadable (a uniform prediction) is in neither.
+        ok = readable(data.images)
         y_pos, positive = positive_set(pbar, torch.tensor(plan.class_thresholds))
         y_neg, negative = complementary_labels(pbar, o.theta, positive, gen)
-        metrics = {"pl_total": float(len(pbar)), "pl_selected": float(positive.sum()),
+        positive, negative = positive & ok, negative & ok
+        metrics = {"pl_total": float(ok.sum()), "pl_selected": float(positive.sum()),
                    "nl_selected": float(negative.sum())}
         if data.true_labels is not None:
             metrics["pl_correct"] = float((y_pos[positive] == data.true_labels[positive]).sum())
@@ -371,18 +385,24 @@ class FedSEALSilo(SiloAlgorithm):
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         total_loss, steps = 0.0, 0
         for _ in range(o.local_epochs):
-            for batch in shuffled_batches(len(used), o.silo_batch_size, gen):
-                b = used[batch]
-                bp, bn = b[positive[b]], b[negative[b]]
-                strong = strong_augment(data.images[bp], num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
-                                        cutout=o.cutout, flip=o.flip, generator=gen)
-                weak = weak_augment(data.images[bn], flip=o.flip, generator=gen)
-                logits = model(to_float(torch.cat([strong, weak]), spec.mean, spec.std).to(device))
-                loss = torch.zeros((), device=device)
-                if len(bp):
-                    loss = loss + lam * F.cross_entropy(logits[: len(bp)], y_pos[bp].to(device))
-                if len(bn):
-                    loss = loss + negative_loss(logits[len(bp):], y_neg[bn].to(device))
+            order = [used[batch] for batch in shuffled_batches(len(used), o.silo_batch_size, gen)]
+            for b, x in image_batches(data.images, order, pinned(device)):
+                if len(b) < 2:  # unreadable files left fewer images than batch norm needs
+                    continue
+                x = to_device(x, device)
+                in_pos, in_neg = positive[b], negative[b]
+                bp, bn = b[in_pos], b[in_neg]
+                strong = strong_augment(x[in_pos.to(x.device)], num_ops=o.randaugment_ops,
+                                        magnitude=o.randaugment_magnitude, cutout=o.cutout, flip=o.flip,
+                                        generator=gen)
+                weak = weak_augment(x[in_neg.to(x.device)], flip=o.flip, generator=gen)
+                with autocast(device):
+                    logits = model(to_float(torch.cat([strong, weak]), spec.mean, spec.std))
+                    loss = torch.zeros((), device=device)
+                    if len(bp):
+                        loss = loss + lam * F.cross_entropy(logits[: len(bp)], y_pos[bp].to(device))
+                    if len(bn):
+                        loss = loss + negative_loss(logits[len(bp):], y_neg[bn].to(device))
                 sgd_step(model, optimizer, loss, o.grad_clip)
                 total_loss, steps = total_loss + loss.item(), steps + 1
 

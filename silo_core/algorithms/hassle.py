@@ -57,16 +57,21 @@ from silo_core.algorithms.base import (
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import to_float, weak_augment
+from silo_core.data import Images, image_batches, readable
 from silo_core.models import ModelSpec
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    autocast,
     clean_batches,
     make_sgd,
+    on_device,
+    pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
+    to_device,
     train_supervised,
 )
 
@@ -272,7 +277,7 @@ class HASSLESilo(SiloAlgorithm):
     def result_groups(self, expected: Mapping[str, TensorSpec]) -> dict[str, list[str]]:
         return groups_by_prefix(expected)
 
-    def _dual_update(self, plan: RoundPlan, images: torch.Tensor, labels: torch.Tensor, own: str, other: str,
+    def _dual_update(self, plan: RoundPlan, images: Images, labels: torch.Tensor, own: str, other: str,
                      temperature: float, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Train model `own` (S or U) with proximity to the global `other`, and its residual r_{other,own}, on
         (images, labels); return n * delta and n for both groups."""
@@ -280,11 +285,11 @@ class HASSLESilo(SiloAlgorithm):
         specs = _specs(spec, o)
         res = f"r{other}{own}"  # r_US complements S, r_SU complements U
         other_res = f"r{own}{other}"
-        glob = {k: load_model(specs[k], plan.tensors, prefix=f"{k}/").to(device).eval()
+        glob = {k: on_device(load_model(specs[k], plan.tensors, prefix=f"{k}/"), device).eval()
                 for k in (own, other, res, other_res)}
         anchor = {n: p.detach() for n, p in glob[other].named_parameters()}
-        model = load_model(specs[own], plan.tensors, prefix=f"{own}/").to(device).train()
-        residual = load_model(specs[res], plan.tensors, prefix=f"{res}/").to(device).train()
+        model = on_device(load_model(specs[own], plan.tensors, prefix=f"{own}/"), device).train()
+        residual = on_device(load_model(specs[res], plan.tensors, prefix=f"{res}/"), device).train()
         starts = {m: {n: p.detach().clone() for n, p in net.named_parameters()}
                   for m, net in ((own, model), (res, residual))}
         lr = float(plan.hyperparameters["lr"])
@@ -293,15 +298,19 @@ class HASSLESilo(SiloAlgorithm):
         loss_model = loss_res = 0.0
         steps = 0
         for _ in range(o.local_epochs):
-            for idx in shuffled_batches(len(images), o.batch_size, gen):
-                x = to_float(weak_augment(images[idx], flip=o.flip, generator=gen), spec.mean, spec.std).to(device)
+            for idx, x in image_batches(images, shuffled_batches(len(images), o.batch_size, gen), pinned(device)):
+                if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
+                    continue
+                x = to_float(weak_augment(to_device(x, device), flip=o.flip, generator=gen), spec.mean, spec.std)
                 y = labels[idx].to(device)
-                with torch.no_grad():  # the global models are fixed teachers this round
-                    base, partner, partner_res = glob[own](x), glob[other](x), glob[other_res](x)
-                loss = F.cross_entropy(model(x), y) + proximity_term(model, anchor, o.gamma, o.proximity)
+                with autocast(device):
+                    with torch.no_grad():  # the global models are fixed teachers this round
+                        base, partner, partner_res = glob[own](x), glob[other](x), glob[other_res](x)
+                    loss = F.cross_entropy(model(x), y) + proximity_term(model, anchor, o.gamma, o.proximity)
                 sgd_step(model, opt_model, loss, o.grad_clip)
-                ce, kl = residual_losses(base, residual(x), partner + partner_res - base, y, temperature)
-                rloss = ce + o.residual_lambda * kl
+                with autocast(device):
+                    ce, kl = residual_losses(base, residual(x), partner + partner_res - base, y, temperature)
+                    rloss = ce + o.residual_lambda * kl
                 sgd_step(residual, opt_res, rloss, o.grad_clip)
                 loss_model, loss_res, steps = loss_model + loss.item(), loss_res + rloss.item(), steps + 1
         n = float(len(images))
@@ -332,8 +341,10 @@ class HASSLESilo(SiloAlgorithm):
             residual = load_model(specs["rUS"], plan.tensors, prefix="rUS/")
             logits = (predict_logits(base, data.images, spec.mean, spec.std, device)
                       + predict_logits(residual, data.images, spec.mean, spec.std, device))
+            ok = readable(data.images)  # an image whose file turned out unreadable (zero logits) gets no label
             pseudo, keep = hassle_pseudo_labels(logits, o.tau)
-            metrics.update({"pl_total": float(len(pseudo)), "pl_selected": float(keep.sum())})
+            keep &= ok
+            metrics.update({"pl_total": float(ok.sum()), "pl_selected": float(keep.sum())})
             if data.true_labels is not None:
                 metrics["pl_correct"] = float((pseudo[keep] == data.true_labels[keep]).sum())
             if int(keep.sum()) >= 2:

@@ -41,18 +41,23 @@ from silo_core.algorithms.base import (
 )
 from silo_core.augment import strong_augment, to_float, weak_augment
 from silo_core.config_base import StrictConfig
+from silo_core.data import padded_image_batches, readable
 from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_for
 from silo_core.rounds import PSEUDO_LABEL_ACCURACY, PSEUDO_LABEL_RATIO
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     OptimizerSettings,
+    autocast,
     cosine_lr,
     hub_update,
     make_sgd,
+    on_device,
+    pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
+    to_device,
 )
 
 
@@ -227,26 +232,32 @@ class SemiFLSilo(SiloAlgorithm):
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult:
         o, spec, device = self.options, self.model_spec, self.device
         gen = seeded_generator(int(plan.hyperparameters.get("seed", 0)), plan.round, zlib.crc32(data.silo_id.encode()))
-        model = load_model(spec, plan.tensors).to(device)
+        model = on_device(load_model(spec, plan.tensors), device)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-        # (1) Pseudo-label every image once, with the received model on the weak view.
+        # (1) Pseudo-label every image once, with the received model on the weak view. An image whose file turned
+        # out unreadable in this pass (zero logits) takes no part: not in the thresholds, D_fix or D_mix.
         probs = predict_logits(model, data.images, spec.mean, spec.std, device, weak=True, flip=o.flip,
                                generator=gen).softmax(dim=1)
-        pseudo, confident = select_confident(probs, class_thresholds(probs, o.tau, o.threshold_rule))
+        ok = readable(data.images)
+        pseudo, confident = select_confident(probs, class_thresholds(probs[ok], o.tau, o.threshold_rule))
+        confident &= ok
         n_fix = int(confident.sum())
-        metrics = {"pl_total": float(len(pseudo)), "pl_selected": float(n_fix)}
+        metrics = {"pl_total": float(ok.sum()), "pl_selected": float(n_fix)}
         if data.true_labels is not None:
             metrics["pl_correct"] = float((pseudo[confident] == data.true_labels[confident]).sum())
         if n_fix < 2:  # nothing (or a single image) passed tau: skip the round and send nothing
             return SiloResult(tensors={}, metrics=metrics, skipped=True)
 
-        # (2) D_fix and an equal-size D_mix drawn with replacement from all pseudo-labeled images.
-        x_fix, y_fix = data.images[confident], pseudo[confident]
+        # (2) D_fix and an equal-size D_mix drawn with replacement from all (readable) pseudo-labeled images. Both
+        # are indices into data.images: pixels are read batch by batch below.
         if plan.hyperparameters.get("sample_dp"):
-            return self._private_update(plan, data, model, start, x_fix, y_fix, metrics)
-        partner_idx = torch.randint(len(pseudo), (n_fix,), generator=gen)
-        x_partner, y_partner = data.images[partner_idx], pseudo[partner_idx]
+            return self._private_update(plan, data, model, start, data.images[confident], pseudo[confident],
+                                        metrics)
+        fix_idx, y_fix = torch.nonzero(confident).squeeze(1), pseudo[confident]
+        candidates = torch.nonzero(ok).squeeze(1)
+        partner_idx = candidates[torch.randint(len(candidates), (n_fix,), generator=gen)]
+        y_partner = pseudo[partner_idx]
 
         # (3) E local epochs of L_fix + lambda * L_mix.
         model.train()
@@ -256,20 +267,33 @@ class SemiFLSilo(SiloAlgorithm):
         for _ in range(o.local_epochs):
             fix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
             mix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
-            for fb, mb in zip(fix_batches, mix_batches, strict=False):
-                m = min(len(fb), len(mb))
-                fb, mb = fb[:m], mb[:m]
+            pairs = [(fb[:m], mb[:m]) for fb, mb in zip(fix_batches, mix_batches, strict=False)
+                     for m in [min(len(fb), len(mb))]]
+            # Each step reads its D_fix images and then their D_mix partners, in one batch.
+            wanted = [torch.cat([fix_idx[fb], partner_idx[mb]]) for fb, mb in pairs]
+            for (fb, mb), (read, x) in zip(pairs, padded_image_batches(data.images, wanted, pinned(device)),
+                                           strict=True):
+                m = len(fb)
+                x_fix, x_partner = x[:m], x[m:]
+                keep = read[:m] & read[m:]
+                if not bool(keep.all()):  # a file turned out unreadable: its pair is left out of this step
+                    fb, mb, x_fix, x_partner = fb[keep], mb[keep], x_fix[keep], x_partner[keep]
+                    m = len(fb)
+                    if m < 2:
+                        continue
+                x_fix, x_partner = to_device(x_fix, device), to_device(x_partner, device)
                 lam = mix_rng.betavariate(o.mix_alpha, o.mix_alpha)
-                strong = strong_augment(x_fix[fb], num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
+                strong = strong_augment(x_fix, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                         cutout=o.cutout, flip=o.flip, generator=gen)
-                weak_fix = to_float(weak_augment(x_fix[fb], flip=o.flip, generator=gen), spec.mean, spec.std)
-                weak_partner = to_float(weak_augment(x_partner[mb], flip=o.flip, generator=gen), spec.mean, spec.std)
+                weak_fix = to_float(weak_augment(x_fix, flip=o.flip, generator=gen), spec.mean, spec.std)
+                weak_partner = to_float(weak_augment(x_partner, flip=o.flip, generator=gen), spec.mean, spec.std)
                 x_mix = lam * weak_fix + (1.0 - lam) * weak_partner
-                # One forward pass over both views: cheaper, and BN sees a batch of 2m.
-                logits = model(torch.cat([to_float(strong, spec.mean, spec.std), x_mix]).to(device))
-                loss_fix = F.cross_entropy(logits[:m], y_fix[fb].to(device))
-                loss_mix = mix_loss(logits[m:], y_fix[fb].to(device), y_partner[mb].to(device), lam)
-                loss = loss_fix + o.mix_weight * loss_mix
+                with autocast(device):
+                    # One forward pass over both views: cheaper, and BN sees a batch of 2m.
+                    logits = model(torch.cat([to_float(strong, spec.mean, spec.std), x_mix]))
+                    loss_fix = F.cross_entropy(logits[:m], y_fix[fb].to(device))
+                    loss_mix = mix_loss(logits[m:], y_fix[fb].to(device), y_partner[mb].to(device), lam)
+                    loss = loss_fix + o.mix_weight * loss_mix
                 sgd_step(model, optimizer, loss, o.grad_clip)
                 total_loss, steps = total_loss + loss.item(), steps + 1
 
@@ -298,6 +322,8 @@ class SemiFLSilo(SiloAlgorithm):
             return to_float(strong_augment(images, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                            cutout=o.cutout, flip=o.flip), spec.mean, spec.std)
 
+        # DP-SGD keeps float32 and the plain memory format: Opacus computes per-sample gradients its own way.
+        model.to(memory_format=torch.contiguous_format)
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         loss, steps = dp_sgd_train(model, x_fix, y_fix, strong_view, epochs=o.local_epochs,
                                    batch_size=o.silo_batch_size, optimizer=optimizer,
