@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=300.0,
                    help="give up when the hub stays unreachable this many seconds (0: never; default 300)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--cache-mb", type=float, default=None, metavar="MIB",
+                   help="keep the images in memory when their decoded pixels fit in this many MiB (fastest for small "
+                        "images); a bigger folder is read from disk batch by batch as training goes (default 512)")
+    p.add_argument("--loader-workers", type=int, default=None, metavar="N",
+                   help="processes decoding images while training, for a folder read from disk (0: decode in the "
+                        "training process; default 2)")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port (0 picks a free one; default: not served)")
     p.add_argument("--metrics-host", default="127.0.0.1",
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.data is None and args.labeled is None:
         parser.error("give --data (a folder of unlabeled images) and/or --labeled (a folder of labeled images)")
     _check_mode(parser, args)
+    if args.cache_mb is not None and not args.cache_mb >= 0:
+        parser.error("--cache-mb must be a number of MiB >= 0 (0: always read images from disk)")
+    if args.loader_workers is not None and args.loader_workers < 0:
+        parser.error("--loader-workers must be >= 0 (0: decode in the training process)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_grpc_core(args.verbose)  # before anything imports grpc
     from security.tls import TlsError
     from silo_client.client import SiloClient, SiloError, SiloSettings
-    from silo_core.data import DataError
+    from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS, DataError
 
     if args.threads:
         import torch
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
             insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None, crl=args.crl,
             model_factories=tuple(args.model_factory),
+            cache_mb=DEFAULT_CACHE_MB if args.cache_mb is None else args.cache_mb,
+            loader_workers=DEFAULT_LOADER_WORKERS if args.loader_workers is None else args.loader_workers,
         ), metrics=metrics)
         signal.signal(signal.SIGTERM, lambda *_: client.stop_event.set())
         rc = client.run_forever()

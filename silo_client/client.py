@@ -37,7 +37,16 @@ from silo_client.privacy import SiloPrivacy, upload_stage
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.augment import to_float
-from silo_core.data import IMAGE_EXTENSIONS, DataError, load_labeled_folder, load_unlabeled_folder
+from silo_core.data import (
+    DEFAULT_CACHE_MB,
+    DEFAULT_LOADER_WORKERS,
+    IMAGE_EXTENSIONS,
+    DataError,
+    ImageFiles,
+    image_batches,
+    load_labeled_folder,
+    load_unlabeled_folder,
+)
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.tensors import (
     CHUNK_BYTES,
@@ -51,7 +60,7 @@ from silo_core.tensors import (
     iter_chunks,
     sha256_hex,
 )
-from silo_core.training import resolve_device
+from silo_core.training import autocast, on_device, resolve_device
 
 VERSION = "0.1.0"
 HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
@@ -86,6 +95,10 @@ class SiloSettings:
     # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
     insecure_dev_silo_id: str | None = None
     crl: Path | None = None  # the CA's revocation list to check the hub against (default: crl.pem in the bundle)
+    # A folder whose decoded images fit in this many MiB is held in memory; a bigger one is read from disk batch by
+    # batch by loader_workers processes (silo_core.data.ImageFiles).
+    cache_mb: float = DEFAULT_CACHE_MB
+    loader_workers: int = DEFAULT_LOADER_WORKERS
     # Model factories ("package.module:callable") this silo's operator allows: the only code a run can make it import.
     model_factories: tuple[str, ...] = ()
 
@@ -151,13 +164,19 @@ def rehearse(spec: ModelSpec, data: SiloData, device: torch.device, batch_size: 
     images = data.images if len(data.images) else data.labeled_images
     if images is None or len(images) == 0:
         return
+    # Read in this process: one batch is not worth starting loader workers for.
+    _, pixels = next(image_batches(images, [torch.arange(min(batch_size, len(images)))], workers=0))
+    if len(pixels) == 0:
+        return  # the first files turned out unreadable (counted); the first round will try the device
     try:
         with torch.random.fork_rng(devices=[]):
-            model = spec.build().to(device).train()
-            x = to_float(images[:batch_size], spec.mean, spec.std).to(device)
+            model = on_device(spec.build(), device).train()  # as training runs it (autocast, memory format)
+            x = to_float(pixels, spec.mean, spec.std).to(device)
             x = x if len(x) > 1 else x.repeat(2, 1, 1, 1)  # batch norm trains on two images at least
-            model(x).logsumexp(1).mean().backward()
-            with torch.no_grad():
+            with autocast(device):
+                loss = model(x).logsumexp(1).mean()
+            loss.backward()
+            with torch.no_grad(), autocast(device):
                 model.eval()(x)
     except (RuntimeError, ValueError) as err:
         raise SiloError(f"could not run the run's model ({spec.name}) on device {device}: {err}; check the device, "
@@ -230,6 +249,7 @@ class SiloClient:
         self.data_key: tuple[int, int] | None = None
         self.rounds_done: list[int] = []
         self.skipped_images = 0
+        self.skipped_at_load = 0  # files refused when the folders were loaded; the rest were found while training
         self.privacy = SiloPrivacy(send_result=self._upload,
                                    send_stage=lambda *args: upload_stage(self, *args))
 
@@ -337,19 +357,21 @@ class SiloClient:
         empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)
         unlabeled, labeled, labels, skipped = empty, None, None, []
         if self.s.data is not None:
-            images = load_unlabeled_folder(self.s.data, run.image_size, run.in_channels)
+            images = load_unlabeled_folder(self.s.data, run.image_size, run.in_channels, **self._loading())
             unlabeled, skipped = images.images, list(images.skipped)
-            self.log.info("loaded %d images from %s (%d skipped)", len(images), self.s.data, len(images.skipped))
+            self.log.info("loaded %d images from %s (%d skipped)%s", len(images), self.s.data, len(images.skipped),
+                          self._how_read(images.images))
         if self.s.labeled is not None:
-            folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels)
+            folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels, **self._loading())
             if len(folder.classes) != run.num_classes:
                 raise SiloError(f"labeled folder {self.s.labeled} has {len(folder.classes)} class folders but the run "
                                 f"has {run.num_classes} classes; give it one sub-folder per class, in the hub's order "
                                 f"(an empty folder for a class this site has no images of)")
             labeled, labels = folder.images, folder.labels
             skipped += [s for s in folder.skipped if not s[1].startswith("not inside")]
-            self.log.info("loaded %d labeled images from %s", len(folder), self.s.labeled)
-        self.skipped_images = len(skipped)
+            self.log.info("loaded %d labeled images from %s%s", len(folder), self.s.labeled,
+                          self._how_read(folder.images))
+        self.skipped_images = self.skipped_at_load = len(skipped)
         for path, reason in skipped[:5]:
             self.log.warning("skipped unreadable image %s: %s", path, reason)
         if skipped:
@@ -360,6 +382,26 @@ class SiloClient:
         state_dir.mkdir(parents=True, exist_ok=True)
         return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=state_dir,
                         silo_id=self.silo_id, labeled_images=labeled, labeled_labels=labels)
+
+    def _loading(self) -> dict[str, float | int]:
+        return {"cache_mb": self.s.cache_mb, "workers": self.s.loader_workers}
+
+    def _how_read(self, images: torch.Tensor | ImageFiles) -> str:
+        if isinstance(images, ImageFiles):
+            return (f", read from disk as training goes by {images.workers} loader workers (more than "
+                    f"--cache-mb {self.s.cache_mb:g} MiB decoded)")
+        return ", decoded into memory"
+
+    def _count_unreadable(self, round_: int) -> None:
+        """Files that turned out unreadable while training (read lazily) join the skipped count: logged, exported
+        as silokit_silo_unreadable_images and declared to the hub at the next join. Never fatal."""
+        found = sum(len(x.skipped) for x in (self.data.images, self.data.labeled_images) if isinstance(x, ImageFiles))
+        total = self.skipped_at_load + found
+        if total != self.skipped_images:
+            self.log.warning("round %d: %d more image files found unreadable and skipped (%d skipped in all)", round_,
+                             total - self.skipped_images, total)
+            self.skipped_images = total
+            self.metrics.unreadable(total)
 
     def _sim_labels(self, n: int) -> torch.Tensor | None:
         if self.s.sim_labels is None:
@@ -407,6 +449,7 @@ class SiloClient:
         started = time.time()
         result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
+        self._count_unreadable(task.round)
         tensors = {}
         if not result.skipped:
             # Send each tensor in the dtype the hub declared (float16 for large ones with wire.half_precision).

@@ -99,6 +99,10 @@ class SiloMetrics:
         self.f.samples.labels(self.silo).set(samples)
         self.f.unreadable.labels(self.silo).set(unreadable)
 
+    def unreadable(self, count: int) -> None:
+        """Image files skipped as unreadable so far: at load, and found while training on files read lazily."""
+        self.f.unreadable.labels(self.silo).set(count)
+
     def received(self, n: int) -> None:
         self.contact()
         self.f.received.labels(self.silo).inc(n)

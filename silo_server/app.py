@@ -24,7 +24,14 @@ from security.pki import BUNDLE_CA, BUNDLE_CRL, cert_days_left
 from security.tls import ReloadingServerCredentials
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
-from silo_core.data import ImageSet, load_demo, load_labeled_folder, load_torchvision
+from silo_core.data import (
+    DEFAULT_CACHE_MB,
+    DEFAULT_LOADER_WORKERS,
+    ImageSet,
+    load_demo,
+    load_labeled_folder,
+    load_torchvision,
+)
 from silo_core.files import write_json_atomic
 from silo_core.models import (
     RUN_WEIGHTS,
@@ -52,9 +59,11 @@ from silo_server.servicer import FederationServer, FederationServicer
 log = logging.getLogger("silo_server")
 
 
-def load_source(src: DataSource, image_size: int, channels: int) -> ImageSet:
+def load_source(src: DataSource, image_size: int, channels: int, cache_mb: float = DEFAULT_CACHE_MB,
+                workers: int = DEFAULT_LOADER_WORKERS) -> ImageSet:
+    """A data source's images: an imagefolder in memory or read from disk as the hub trains (``cache_mb``)."""
     if src.kind == "imagefolder":
-        images = load_labeled_folder(src.path, image_size, channels)
+        images = load_labeled_folder(src.path, image_size, channels, cache_mb=cache_mb, workers=workers)
     elif src.kind == "torchvision":
         images = load_torchvision(src.name, src.root, src.split == "train", image_size, channels)
     else:
@@ -88,13 +97,13 @@ class HubApp:
         if config.run.threads:
             torch.set_num_threads(config.run.threads)
         self.device = resolve_device(config.run.device)
-        m = config.model
-        self.labeled = load_source(config.data.labeled, m.image_size, m.in_channels)
+        m, d = config.model, config.data
+        self.labeled = load_source(d.labeled, m.image_size, m.in_channels, d.cache_mb, d.loader_workers)
         if self.labeled.labels is None or len(self.labeled) < 2:
             raise ValueError("data.labeled must hold labeled images (at least 2)")
-        self.test = load_source(config.data.test, m.image_size, m.in_channels) if config.data.test else None
-        self.validation = validation = (load_source(config.data.validation, m.image_size, m.in_channels)
-                                        if config.data.validation else None)
+        self.test = load_source(d.test, m.image_size, m.in_channels, d.cache_mb, d.loader_workers) if d.test else None
+        self.validation = validation = (load_source(d.validation, m.image_size, m.in_channels, d.cache_mb,
+                                                    d.loader_workers) if d.validation else None)
         self.spec = model_spec_from(config, len(self.labeled.classes))
         entry = get_algorithm(config.algorithm.name)
         self.options = config.algorithm.parsed_options()

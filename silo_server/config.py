@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.config_base import ConfigPath, StrictConfig
+from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS
 from silo_core.models import RUN_WEIGHTS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.privacy import PrivacySection
@@ -95,6 +96,10 @@ class DataSection(StrictConfig):
     labeled: DataSource
     test: DataSource | None = None
     validation: DataSource | None = None
+    cache_mb: float = Field(DEFAULT_CACHE_MB, ge=0, le=2**30, description="an imagefolder whose decoded images fit "
+                            "in this many MiB is held in memory; a bigger one is read from disk batch by batch")
+    loader_workers: int = Field(DEFAULT_LOADER_WORKERS, ge=0, le=64, description="processes decoding images "
+                                "of a folder read from disk while the hub trains (0: in the hub's own process)")
 
 
 class ModelSection(StrictConfig):
