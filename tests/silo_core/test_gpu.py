@@ -1,0 +1,75 @@
+"""The CUDA path (bfloat16 autocast, channels_last, pinned batches): a silo update and an evaluation on the GPU agree
+with the CPU's within a loose tolerance. The GPU tests are marked `gpu` and skip cleanly without CUDA; the CPU tests
+here pin that the CPU path never takes any of it."""
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from silo_core.algorithms.base import RoundPlan, SiloData, model_tensors
+from silo_core.algorithms.semifl import SemiFLOptions, SemiFLSilo
+from silo_core.data import load_labeled_folder, load_unlabeled_folder
+from silo_core.models import ModelSpec
+from silo_core.training import autocast, evaluate, on_device, pinned
+from tests.silo_core.test_lazy_data import write_folder
+
+SIZE = 32
+SPEC = ModelSpec(num_classes=3, in_channels=3, image_size=SIZE, mean=[0.5] * 3, std=[0.5] * 3, options={"width": 8})
+CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_the_cpu_path_takes_no_autocast_no_channels_last_and_no_pinning():
+    assert isinstance(autocast(CPU), contextlib.nullcontext)
+    assert not pinned(CPU)
+    model = on_device(SPEC.build(), CPU)
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+def semifl_update(images, device: torch.device) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    plan = RoundPlan(round=1, tensors=model_tensors(SPEC.build()), hyperparameters={"lr": 0.02, "seed": 1},
+                     expected={})
+    options = SemiFLOptions(tau=0.0, local_epochs=1, silo_batch_size=8, randaugment_ops=0, cutout=0.0)
+    result = SemiFLSilo(options, SPEC, device).local_update(plan, SiloData(images=images, silo_id="s"))
+    assert not result.skipped and result.metrics["pl_total"] == len(images)
+    return result.tensors
+
+
+def cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    x = torch.cat([a[k].flatten().double() for k in sorted(a)])
+    y = torch.cat([b[k].flatten().double() for k in sorted(b)])
+    return float(x @ y / (x.norm() * y.norm()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_semifl_update_on_cuda_agrees_with_the_cpu(tmp_path: Path):
+    write_folder(tmp_path / "u", 48)
+    memory = load_unlabeled_folder(tmp_path / "u", SIZE, 3)
+    lazy = load_unlabeled_folder(tmp_path / "u", SIZE, 3, cache_mb=0, workers=2)  # pinned batches from workers
+    cuda = torch.device("cuda")
+    on_cpu = semifl_update(memory.images, CPU)
+    on_gpu = semifl_update(memory.images, cuda)
+    from_files = semifl_update(lazy.images, cuda)
+    for tensors in (on_gpu, from_files):
+        assert tensors.keys() == on_cpu.keys()
+        assert all(t.device.type == "cpu" and t.is_contiguous() and torch.isfinite(t).all() for t in tensors.values())
+        # bfloat16 and GPU kernels change the numbers a little, not the direction of the update.
+        assert cosine(tensors, on_cpu) > 0.8
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_evaluation_on_cuda_agrees_with_the_cpu(tmp_path: Path):
+    write_folder(tmp_path / "l", 60, classes=3)
+    test = load_labeled_folder(tmp_path / "l", SIZE, 3)
+    torch.manual_seed(0)
+    model = SPEC.build().eval()
+    on_cpu = evaluate(model, test.images, test.labels, SPEC.mean, SPEC.std, CPU)
+    on_gpu = evaluate(model, test.images, test.labels, SPEC.mean, SPEC.std, torch.device("cuda"))
+    assert all(torch.isfinite(torch.tensor(v)) for v in on_gpu.values())
+    assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], rel=0.05)
+    assert abs(on_gpu["accuracy"] - on_cpu["accuracy"]) <= 0.1
