@@ -23,7 +23,7 @@ class JoinRequest(_message.Message):
     device: str
     skipped_images: int
     preparing: bool
-    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: bool = ...) -> None: ...
 
 class RunDescription(_message.Message):
     __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture")
@@ -170,7 +170,7 @@ class UploadHeader(_message.Message):
     skipped: bool
     metrics: _containers.ScalarMap[str, float]
     secagg_stage: str
-    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: _Optional[bool] = ..., metrics: _Optional[_Mapping[str, float]] = ..., secagg_stage: _Optional[str] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., task_id: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., skipped: bool = ..., metrics: _Optional[_Mapping[str, float]] = ..., secagg_stage: _Optional[str] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -186,4 +186,4 @@ class UploadReply(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     message: str
-    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, accepted: bool = ..., message: _Optional[str] = ...) -> None: ...

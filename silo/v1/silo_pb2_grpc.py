@@ -5,7 +5,7 @@ import warnings
 
 from silo.v1 import silo_pb2 as silo_dot_v1_dot_silo__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in silo/v1/silo_pb2_grpc.py depends on'
+        + f' but the generated code in silo/v1/silo_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class FederationStub:
+class FederationStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -56,7 +56,7 @@ class FederationStub:
                 _registered_method=True)
 
 
-class FederationServicer:
+class FederationServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
@@ -118,7 +118,7 @@ def add_FederationServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Federation:
+class Federation(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
