@@ -60,6 +60,18 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
+# Whole-set passes (pseudo-labelling, scoring, static BN statistics) go in batches of at most this many input
+# values: 500 images up to 64 px RGB, as always, and fewer for bigger images, whose feature maps would otherwise
+# take gigabytes (500 images of 224 px through small_cnn: 1.6 GB for one of them; 41 images here).
+EVAL_BATCH_VALUES = 500 * 3 * 64 * 64
+
+
+def pass_batch_size(images: Images, most: int) -> int:
+    """The batch size of a whole-set pass over ``images``: ``most``, fewer for big images (EVAL_BATCH_VALUES)."""
+    values = int(images.shape[1]) * int(images.shape[2]) * int(images.shape[3])
+    return max(1, min(most, EVAL_BATCH_VALUES // max(values, 1)))
+
+
 @dataclass
 class OptimizerSettings:
     lr: float = 0.03
@@ -163,7 +175,8 @@ def predict_logits(
     if len(images) == 0:
         return torch.zeros(0, 0)
     out: torch.Tensor | None = None
-    for idx, x in image_batches(images, torch.arange(len(images)).split(batch_size), pinned(device)):
+    order = torch.arange(len(images)).split(pass_batch_size(images, batch_size))
+    for idx, x in image_batches(images, order, pinned(device)):
         if len(idx) == 0:
             continue
         x = to_device(x, device)
@@ -201,7 +214,8 @@ def evaluate(
 
 def clean_batches(images: Images, mean: list[float], std: list[float], device: torch.device, batch_size=250):
     """Un-augmented float batches, for static-BN statistics (unreadable files are left out)."""
-    for idx, x in image_batches(images, torch.arange(len(images)).split(batch_size), pinned(device)):
+    order = torch.arange(len(images)).split(pass_batch_size(images, batch_size))
+    for idx, x in image_batches(images, order, pinned(device)):
         if len(idx):
             yield to_float(to_device(x, device), mean, std)
 

@@ -224,3 +224,12 @@ def test_dicom_files_are_checked_up_front_from_their_header(tmp_path: Path, deco
     kept, pixels = next(image_batches(lazy.images, [torch.arange(len(lazy))]))
     assert torch.equal(pixels, memory.images)
     assert [Path(p).name for p, _ in lazy.images.skipped] == ["truncated-pixels.dcm"]
+
+
+def test_whole_set_passes_take_fewer_big_images_at_a_time():
+    from silo_core.training import pass_batch_size
+
+    assert pass_batch_size(torch.zeros(3, 1, 28, 28), 500) == 500  # small images: as always
+    assert pass_batch_size(torch.zeros(3, 3, 64, 64), 500) == 500
+    assert pass_batch_size(torch.zeros(3, 3, 224, 224), 500) == 40  # 224 px RGB: 40 at a time, not 500
+    assert pass_batch_size(torch.zeros(3, 3, 2048, 2048), 500) == 1
