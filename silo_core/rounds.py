@@ -14,8 +14,9 @@ prefixes there: `dp_*` (`DPRound`), `secagg_*` (`SecAggRound`); any other key is
 from __future__ import annotations
 
 import math
+import random
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
@@ -24,6 +25,32 @@ from typing import Any, get_type_hints
 PSEUDO_LABEL_RATIO = "pseudo_label_ratio"  # share of the silos' images whose pseudo-label passed the threshold
 PSEUDO_LABEL_ACCURACY = "pseudo_label_accuracy"  # share of those that were right (simulation only)
 _THRESHOLD = re.compile(r"^threshold_class_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which silos take part in a round: rounds.silos_per_round (a fraction of those available) or
+    rounds.silos_per_round_count (a number), drawn from the run's seed. The deployed hub and the in-process runner
+    both draw through here, so the same seed, round and silo names sample the same silos in both."""
+
+    fraction: float = 1.0
+    count: int | None = None
+    seed: int = 0
+
+    def how_many(self, available: int) -> int:
+        if self.count is not None:
+            return min(available, self.count)
+        # Rounded first, so that float error cannot cost a silo: 0.29 * 100 is 28.999999999999996.
+        return max(1, int(round(self.fraction * available, 9)))
+
+    def sample(self, available: Sequence[str], round_number: int, attempt: int = 1, at_least: int = 1) -> list[str]:
+        """The silos of `round_number`'s `attempt` (a retried round draws again), at least `at_least` of them
+        (secure aggregation's fewest) where that many are available, in sorted order. The draw depends on the
+        names only, not on the order they are given in."""
+        names = sorted(available)
+        count = max(self.how_many(len(names)), min(len(names), at_least))
+        rng = random.Random(self.seed * 1_000_003 + round_number * 101 + attempt)
+        return sorted(rng.sample(names, count))
 
 
 def threshold_metric(k: int) -> str:

@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import math
-import random
 import resource
 import threading
 import time
@@ -29,7 +28,7 @@ from security.secagg import ProtocolError
 from security.secagg.messages import DuplicateMessage
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.files import write_json_atomic
-from silo_core.rounds import RoundRecord, Scores, records_from_json
+from silo_core.rounds import RoundRecord, Sampling, Scores, records_from_json
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge, encode, sha256_hex
 from silo_server.aggregate import RunningSum, UploadBudget
 from silo_server.checkpoint import load_latest, save_checkpoint
@@ -199,8 +198,7 @@ class Hub:
         self.total_rounds = total_rounds
         # Each of sampling and quorum is a fraction, or a count when the count is given (never a value read as
         # either: rounds.silos_per_round_count and rounds.quorum_silos in hub.yaml).
-        self.silos_per_round = silos_per_round
-        self.silos_per_round_count = silos_per_round_count
+        self.sampling = Sampling(silos_per_round, silos_per_round_count, seed)
         self.min_silos = min_silos
         self.quorum = quorum
         self.quorum_silos = quorum_silos
@@ -628,10 +626,7 @@ class Hub:
         return record.polling > 0 or time.time() - record.last_seen <= self.liveness_s
 
     def _sample_count(self, available: int) -> int:
-        if self.silos_per_round_count is not None:
-            return min(available, self.silos_per_round_count)
-        # Rounded first, so that float error cannot cost a silo: 0.29 * 100 is 28.999999999999996.
-        return max(1, int(round(self.silos_per_round * available, 9)))
+        return self.sampling.how_many(available)
 
     def _quorum_count(self, sampled: int) -> int:
         # A count above the silos sampled this round (fewer were live) waits for all of them, never for more.
@@ -728,10 +723,8 @@ class Hub:
             live = self._wait_for_silos()
             if self.stop_event.is_set():
                 raise InterruptedError("hub stopping")
-            rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt)
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
-            count = max(self._sample_count(len(live)), min(len(live), self._fewest_sampled()))
-            sampled = set(rng.sample(live, count))
+            sampled = set(self.sampling.sample(live, r, attempt, at_least=self._fewest_sampled()))
             task = ActiveTask(
                 round=r, attempt=attempt, task_id=f"{self.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),

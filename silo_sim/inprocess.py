@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
-from silo_core.rounds import RoundRecord, Scores
+from silo_core.rounds import RoundRecord, Sampling, Scores
 from silo_core.training import evaluate as evaluate_model
 from silo_server.aggregate import RunningSum
 
@@ -48,7 +47,11 @@ def run_inprocess(
                          "pass silos_per_round_count")
     state = hub.init_state()
     history: list[RoundRecord] = []
-    rng = random.Random(seed)
+    # The deployed hub's draw (Sampling): the same seed and silo names sample the same silos in every round.
+    sampling = Sampling(silos_per_round, silos_per_round_count, seed)
+    by_name = {data.silo_id or f"silo-{i:03d}": data for i, data in enumerate(silos)}
+    if len(by_name) != len(silos):
+        raise ValueError("every silo needs its own silo_id: they seed the silos' randomness and the sampling")
     for _ in range(rounds):
         started = time.time()
         plan = hub.begin_round(state)
@@ -57,12 +60,7 @@ def run_inprocess(
         sampled: list[SiloData] = []
         silo_seconds, skipped = 0.0, 0
         if hub.needs_silos and silo is not None and silos:
-            # The count the deployed hub samples (Hub._sample_count), so that the numbers carry over.
-            if silos_per_round_count is not None:
-                count = min(len(silos), silos_per_round_count)
-            else:
-                count = max(1, int(round(silos_per_round * len(silos), 9)))
-            sampled = rng.sample(silos, count)
+            sampled = [by_name[name] for name in sampling.sample(list(by_name), state.round + 1)]
             for data in sampled:
                 silo_started = time.time()
                 result = silo.local_update(plan, data)

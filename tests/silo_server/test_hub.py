@@ -1,5 +1,6 @@
 """The hub core, driven directly (no network): sampling, validation, quorum, deadline, checkpoints."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -102,7 +103,7 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     hub = make_hub(tmp_path)
     for s in ("a", "b", "c"):
         hub.join(s, 10, 0, "cpu")
-    hub.silos_per_round_count = 2
+    hub.sampling = dataclasses.replace(hub.sampling, count=2)
     thread, out = start_round(hub)
     time.sleep(0.3)
     task = hub.task

@@ -4,6 +4,7 @@ any state."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 
@@ -56,7 +57,7 @@ class OpenRound:
         self.hub = make_hub(tmp_path, min_silos=3, deadline_s=600, max_update_norm=hostile.MAX_NORM, **kw)
         for s in ("a", "b", "c"):
             self.hub.join(s, hostile.IMAGES, 0, "cpu")
-        self.hub.silos_per_round_count = 2
+        self.hub.sampling = dataclasses.replace(self.hub.sampling, count=2)
         self.thread, self.out = start_round(self.hub)
         for _ in range(100):
             if self.hub.task is not None:

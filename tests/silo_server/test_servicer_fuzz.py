@@ -4,6 +4,7 @@ with a status, counted, and leaves the hub exactly as it was; afterwards honest 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ def wire(tmp_path_factory) -> Iterator[Wire]:
     hub_bundle = pki.issue_hub(ca, root / "hub")
     hub = make_hub(root / "state", run_description=RUN, min_silos=3, deadline_s=600,
                    max_update_norm=hostile.MAX_NORM, max_upload_bytes=1 << 20)
-    hub.silos_per_round_count = 2
+    hub.sampling = dataclasses.replace(hub.sampling, count=2)
     gate = PeerGate(revocations=RevocationList(hub_bundle / "crl.pem", hub_bundle / "ca.pem"))
     server = FederationServer(FederationServicer(hub, 0.5, CHUNK_CAP, gate), options=[
         ("grpc.max_receive_message_length", CHUNK_CAP + (64 << 10))])

@@ -1,0 +1,75 @@
+"""The deployed hub and the in-process runner draw a round's silos through one Sampling: the same seed and silo
+names sample the same silos, round after round, in both."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from silo_core.algorithms.base import SiloAlgorithm, SiloData, SiloResult
+from silo_core.models import ModelSpec
+from silo_core.rounds import Sampling
+from silo_sim.inprocess import run_inprocess
+from tests.silo_server.test_hub import MeanOfSilos, make_hub, result, upload, wait_task
+
+NAMES = [f"branch-{i:02d}" for i in range(10)]
+
+
+class RecordingSilo(SiloAlgorithm):
+    """MeanOfSilos' silo half: sends its vector, and notes which silo trained in which round."""
+
+    def __init__(self):
+        super().__init__(None, ModelSpec(), torch.device("cpu"))
+        self.trained: dict[int, list[str]] = {}
+
+    def local_update(self, plan, data):
+        self.trained.setdefault(plan.round, []).append(data.silo_id)
+        return SiloResult(result(1.0))
+
+
+def hub_rounds(tmp_path, seed: int, rounds: int, **sampling) -> list[list[str]]:
+    """The silos the deployed hub core sampled in each of `rounds` rounds, every sampled silo reporting."""
+    hub = make_hub(tmp_path, seed=seed, total_rounds=rounds, min_silos=len(NAMES), **sampling)
+    for name in reversed(NAMES):  # joined in another order than the in-process list: the draw must not care
+        hub.join(name, 10, 0, "cpu")
+    drawn: list[list[str]] = []
+    state = hub.resume_or_init()
+    for _ in range(rounds):
+        out: dict = {}
+        thread = threading.Thread(target=lambda s=state: out.setdefault("state", hub.run_round(s)), daemon=True)
+        thread.start()
+        tasks = {}
+        while hub.task is None or hub.task.round != state.round + 1:
+            threading.Event().wait(0.02)
+        sampled = sorted(hub.task.sampled)
+        for name in sampled:
+            tasks[name] = wait_task(hub, name)
+            upload(hub, name, tasks[name], result(1.0))
+        thread.join(10)
+        state = out["state"]
+        drawn.append(sampled)
+    return drawn
+
+
+def test_the_same_seed_samples_the_same_silos_in_the_hub_and_in_process(tmp_path) -> None:
+    for seed, sampling in ((0, {"silos_per_round": 0.3}), (7, {"silos_per_round_count": 4})):
+        deployed = hub_rounds(tmp_path / f"hub-{seed}", seed, 3, **sampling)
+        silo = RecordingSilo()
+        silos = [SiloData(images=torch.zeros(1, 1, 28, 28, dtype=torch.uint8), silo_id=n) for n in NAMES]
+        run_inprocess(MeanOfSilos(), silo, silos, rounds=3, seed=seed,
+                      silos_per_round=sampling.get("silos_per_round", 1.0),
+                      silos_per_round_count=sampling.get("silos_per_round_count"))
+        in_process = [sorted(silo.trained[r]) for r in (1, 2, 3)]
+        assert in_process == deployed
+        assert all(len(d) == (3 if seed == 0 else 4) for d in deployed)
+        assert len({tuple(d) for d in deployed}) > 1  # rounds draw anew
+
+
+def test_a_draw_depends_on_the_names_the_round_and_the_attempt_not_the_order() -> None:
+    sampling = Sampling(fraction=0.3, seed=5)
+    first = sampling.sample(NAMES, 1)
+    assert first == sampling.sample(list(reversed(NAMES)), 1) and len(first) == 3
+    assert sampling.sample(NAMES, 1, attempt=2) != first or sampling.sample(NAMES, 2) != first
+    assert len(sampling.sample(NAMES, 1, at_least=6)) == 6  # secure aggregation's fewest
+    assert Sampling(count=20).sample(NAMES, 1) == NAMES
