@@ -16,10 +16,15 @@ from silo_core.rounds import RoundRecord
 
 @dataclass
 class BestRound:
-    """The best round so far by validation accuracy; round 0 means none yet."""
+    """The best round so far by validation accuracy (round 0: the initial model, before any silo took part);
+    `found` is False until a round has been scored."""
 
     round: int = 0
     accuracy: float = -math.inf
+
+    @property
+    def found(self) -> bool:
+        return self.accuracy != -math.inf
 
     def offer(self, round_number: int, accuracy: float) -> bool:
         """Record a round's validation accuracy; True when it is the new best. A tie goes to the later round, whose

@@ -427,7 +427,7 @@ class HubApp:
     def best_round_card(self) -> dict[str, Any] | None:
         """The model card's account of best_model.safetensors; None without a validation split."""
         path = Path(self.config.run.state_dir) / BEST_MODEL
-        if self.validation is None or not self.best.round or not path.is_file():
+        if self.validation is None or not self.best.found or not path.is_file():
             return None
         # The round's test scores, unless a hub crash made it keep a model that the redone round did not beat.
         scores = next((h.scores for h in self.hub.history if h.round == self.best.round
