@@ -44,7 +44,7 @@ from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
-from silo_core.models import HEADS, MODELS, ModelSpec, count_parameters  # noqa: E402
+from silo_core.models import HEADS, ModelSpec, count_parameters, read_weights  # noqa: E402
 from silo_core.partition import make_partition, split_labeled_per_class  # noqa: E402
 from silo_core.rounds import records_from_json  # noqa: E402
 from silo_core.selection import BestRound  # noqa: E402
@@ -163,7 +163,8 @@ def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
-             model: str = "small_cnn", model_options: dict[str, Any] | None = None) -> dict[str, Any]:
+             model: str = "small_cnn", model_options: dict[str, Any] | None = None,
+             init_weights: Path | None = None) -> dict[str, Any]:
     entry = get_algorithm(method)
     options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
@@ -178,6 +179,8 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
     hub_data = HubData(train.images[hub_idx], train.labels[hub_idx], train.images[val_idx], train.labels[val_idx])
     torch.manual_seed(seed)
     hub = entry.hub(options, spec, hub_data, device, seed, profile.rounds)
+    if init_weights is not None:  # as the hub app does for model.init_weights: the starting model of the hub half
+        hub.initial_weights = read_weights(init_weights)
     silo = entry.silo(options, spec, device) if entry.silo is not None else None
     silos = []
     for i, part in enumerate(parts):
@@ -214,6 +217,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
             **best.as_dict(), "best_round_test_accuracy": selected["accuracy"],
             "seconds": time.time() - started, "options": cell_options(method, profile), "model": model,
             **({"model_options": model_options} if model_options else {}),
+            **({"init_weights": init_weights.name} if init_weights is not None else {}),
             "parameters": count_parameters(spec.build()), "history": [h.to_json() for h in history]}
 
 
@@ -280,7 +284,8 @@ def model_name(cell: dict[str, Any]) -> str:
     """"small_cnn", "small_cnn width 32, 131,178 parameters": what a cell trained (older cells lack the count)."""
     options = " ".join(f"{k} {v}" for k, v in sorted(cell.get("model_options", {}).items()))
     count = f", {cell['parameters']:,} parameters" if "parameters" in cell else ""
-    return f"{cell.get('model', 'small_cnn')}{' ' + options if options else ''}{count}"
+    start = f", starting from {cell['init_weights']}" if cell.get("init_weights") else ""
+    return f"{cell.get('model', 'small_cnn')}{' ' + options if options else ''}{count}{start}"
 
 
 def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
@@ -445,8 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire-check", nargs="?", const="semifl", metavar="METHOD",
                    help="only run one small cell of METHOD (default semifl) with the profile's options both in one "
                         "process and through silo-sim over gRPC + mutual TLS, and record both (wire_check.json)")
-    p.add_argument("--model", choices=list(MODELS), default="small_cnn",
-                   help="small_cnn (default) or wrn28_2 (SemiFL's WRN-28-2; for a GPU)")
+    p.add_argument("--model", default="small_cnn",
+                   help="small_cnn (default), wrn28_2 (SemiFL's WRN-28-2; for a GPU) or any registry name such as "
+                        "torchvision/resnet18 (1 channel, 28 px, stem adapted); another model needs --out")
+    p.add_argument("--init-weights", type=Path, metavar="FILE",
+                   help="start every method's hub model from this weights file (as model.init_weights); needs --out")
     p.add_argument("--width", type=int, help="small_cnn's channel width (default 16; 32 costs 2.4x per step); "
                    "needs --out")
     p.add_argument("--head", choices=list(HEADS), help="small_cnn's classifier head (default pool: average over the "
@@ -465,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
                      **({"head": args.head} if args.head not in (None, "pool") else {})}
     if args.wire_check and (model_options or args.model != "small_cnn"):
         p.error("--wire-check runs the default small_cnn on the CPU; leave out --model, --width and --head")
+    try:
+        ModelSpec(args.model).check_options()
+    except ValueError as err:
+        p.error(f"--model: {err}")
+    if args.init_weights is not None and not args.init_weights.is_file():
+        p.error(f"--init-weights {args.init_weights} is not a file")
+    if (args.model != "small_cnn" or args.init_weights) and args.out is None:
+        p.error("--model and --init-weights change what the cells run with; give --out DIR")
     if (overrides or model_options) and args.out is None:
         # A cell whose options differ from the folder's is dropped from it: never let an experiment wipe the table.
         p.error("--option, --width and --head change what the cells run with; give --out DIR so the profile's own "
@@ -508,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = json.loads(json.dumps(profile.__dict__, default=str))
     def keep(c: dict[str, Any]) -> bool:
         return (c["method"] in ALGORITHMS and saved_options(c) == cell_options(c["method"], profile)
-                and c.get("model", "small_cnn") == args.model and c.get("model_options", {}) == model_options)
+                and c.get("model", "small_cnn") == args.model and c.get("model_options", {}) == model_options
+                and c.get("init_weights") == (args.init_weights.name if args.init_weights else None))
 
     results_path = out / "results.json"
     if args.fresh:
@@ -526,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                 if claim is None:
                     continue
                 try:
-                    cell = run_cell(method, part, seed, profile, train, test, device, args.model, model_options)
+                    cell = run_cell(method, part, seed, profile, train, test, device, args.model, model_options,
+                                    args.init_weights)
                     cell["machine"] = info
                     cells.append(cell)
                     print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
