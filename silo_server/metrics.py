@@ -53,7 +53,7 @@ log = logging.getLogger("silo_server")
 
 NAN = float("nan")
 
-# Refusal reasons the hub and its servicer can count (silo_server/hub.py, servicer.py). Exported at zero from the
+# Refusal reasons the hub and its servicer can count (registry.py, intake.py, servicer.py). Exported at zero from the
 # start, so a rate over them is 0 and not "no data" before the first refusal; new reasons appear when first seen.
 REFUSAL_REASONS = (
     "no_identity", "not_joined", "wrong_run", "stale_task", "not_sampled", "wrong_round", "duplicate",

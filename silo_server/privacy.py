@@ -1,13 +1,15 @@
 """The hub's privacy layer: secure aggregation stages and client-level DP around a round, transport-free.
 
-The hub core (hub.py) calls three hooks and keeps everything else here:
+The hub's round loop (round_loop.py) and intake (intake.py) call these hooks; everything else stays here:
 
     begin(task_id, expected, sampled, enrolled, need) -> RoundPrivacy   before the round is published
                                                        (DP budget check and instructions; a SecAgg+ session)
     view(round_privacy, silo)  -> (stage, payload)     what a polling silo must do for secure aggregation now
-    complete(hub, task, need)  -> PrivateSums          after training: drive the SecAgg+ stages (or take the plain
+    complete(task, need, hooks) -> PrivateSums         after training: drive the SecAgg+ stages (or take the plain
                                                        sums), add central noise, charge the accountant; the round
-                                                       record's typed privacy parts come back with the sums
+                                                       record's typed privacy parts come back with the sums. `hooks`
+                                                       (RoundHooks) is all it uses of the hub: its lock, its stop
+                                                       event, its refusal counter and the update norm bound
 
 With secure aggregation a silo's training result never reaches the hub in the clear: its "upload" is the
 advertise-keys message, then it answers the share-keys, masked-input and unmask stages that the hub hands out
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +52,7 @@ from silo_core.tensors import TensorSpec
 log = logging.getLogger("silo_server")
 
 __all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "PrivateSums", "RoundAbandoned", "RoundFailed",
-           "RoundPrivacy"]
+           "RoundHooks", "RoundPrivacy"]
 
 
 class RoundFailed(Exception):
@@ -101,6 +105,16 @@ class PrivateSums:
     metrics: dict[str, float]
     dp: DPRound | None = None
     secagg: SecAggRound | None = None
+
+
+@dataclass
+class RoundHooks:
+    """What completing a private round uses of the hub."""
+
+    cond: threading.Condition  # the hub's lock: stage messages arrive under it; notify_all wakes the polling silos
+    stop_event: threading.Event  # set when the hub stops: the stage driver gives up (InterruptedError)
+    refuse: Callable[[str | None, str, str, str], Any]  # count and log a refusal (of a securely aggregated sum)
+    max_update_norm: float | None = None  # security.max_update_norm: a sum without DP noise is checked against it
 
 
 class HubPrivacy:
@@ -236,7 +250,7 @@ class HubPrivacy:
             rp.answered.add(silo_id)
 
     # ------------------------------------------------------------------ after training
-    def complete(self, hub: Any, task: Any, need: int) -> PrivateSums:
+    def complete(self, task: Any, need: int, hooks: RoundHooks) -> PrivateSums:
         """The round's usable sums, summed metrics and privacy records; RoundFailed (naming the cause) if the round
         must be retried."""
         rp: RoundPrivacy = task.privacy
@@ -246,12 +260,12 @@ class HubPrivacy:
                 raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos finished training, "
                                   f"below quorum {need}")
             try:
-                result, stage_seconds = self._drive(hub, task)
+                result, stage_seconds = self._drive(task, hooks)
             except RoundAbandoned as err:
                 raise RoundFailed(str(err)) from None
             summed = dict(result.sums)
             contributors = len(result.contributors)
-            self._check_sum(hub, task, summed, result.contributors)
+            self._check_sum(task, summed, result.contributors, hooks)
             metrics: dict[str, float] = {}
             secagg = SecAggRound(**result.stats, stage_seconds=stage_seconds)
             if result.suspects:
@@ -273,7 +287,8 @@ class HubPrivacy:
                          dp.sample_rate, self.dp.rounds)
         return PrivateSums(summed, metrics, dp, secagg)
 
-    def _check_sum(self, hub: Any, task: Any, summed: dict[str, torch.Tensor], contributors: list[str]) -> None:
+    def _check_sum(self, task: Any, summed: dict[str, torch.Tensor], contributors: list[str],
+                   hooks: RoundHooks) -> None:
         """Under secure aggregation the hub sees no single update, so it checks what the sum allows: the summed
         weights within what the contributors may send (a whole number of silos under uniform averaging) and the
         summed update within the norm bound (without DP noise, which would drown the check). A sum that fails is
@@ -288,15 +303,15 @@ class HubPrivacy:
         caps = getattr(task, "weight_caps", {})
         unit = bool(task.plan.unit_weight)
         max_weight_sum = float(n) if unit else sum(caps.get(s, 1.0) for s in contributors)
-        bound = hub.max_update_norm if self.dp is None else None
+        bound = hooks.max_update_norm if self.dp is None else None
         try:
             validation.check_aggregate({k: v for k, v in summed.items() if k != UNCLIPPED}, n, unit_weight=unit,
                                        max_weight_sum=max_weight_sum, max_update_norm=bound, tolerance=tolerance)
         except validation.Invalid as err:
-            hub.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
+            hooks.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
             raise RoundFailed(f"the securely aggregated sum was refused: {err.message}") from None
 
-    def _drive(self, hub: Any, task: Any) -> tuple[Any, dict[str, float]]:
+    def _drive(self, task: Any, hooks: RoundHooks) -> tuple[Any, dict[str, float]]:
         """Close advertise_keys, then run share_keys, masked_input and unmask, each until every silo answered or
         the stage deadline; finally unmask the sum. Returns the session's result and each stage's duration
         (advertise_keys: from hand-out, so training included); RoundAbandoned when the threshold cannot be met."""
@@ -306,22 +321,22 @@ class HubPrivacy:
         stages = (("share_keys", s.close_advertise), ("masked_input", s.close_share_keys),
                   ("unmask", s.close_masked_input))
         seconds = {"advertise_keys": time.time() - task.started}
-        with hub.cond:
+        with hooks.cond:
             for next_stage, close in stages:
                 stage_started = time.time()
                 rp.outbox, rp.outbox_stage, rp.answered = {}, next_stage, set()
                 rp.outbox = close()
-                hub.cond.notify_all()
+                hooks.cond.notify_all()
                 deadline, ready_since = time.time() + deadline_s, None
                 while s.waiting_for() and time.time() < deadline:
-                    if hub.stop_event.is_set():
+                    if hooks.stop_event.is_set():
                         raise InterruptedError("hub stopping")
                     if next_stage == "unmask" and s.can_finish():
                         # every secret is recoverable: wait briefly for spare shares, not for a dead silo
                         ready_since = ready_since or time.time()
                         if time.time() - ready_since > min(5.0, deadline_s):
                             break
-                    hub.cond.wait(timeout=0.25)
+                    hooks.cond.wait(timeout=0.25)
                 seconds[next_stage] = time.time() - stage_started
             rp.outbox, rp.outbox_stage = {}, ""
             finishing = time.time()

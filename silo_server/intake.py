@@ -1,0 +1,242 @@
+"""What silos fetch from a round and send back: the NextTask answer, the round's bundle (Download) and their
+results (Upload), each validated before it is used; a result is summed into the round only whole and valid.
+Secure-aggregation stage messages come in here too and are checked by the round's session (privacy.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from security import validation
+from security.secagg import ProtocolError
+from security.secagg.messages import DuplicateMessage
+from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge
+from silo_server.aggregate import UploadBudget
+from silo_server.privacy import STAGE_UPLOADS, HubPrivacy
+from silo_server.registry import SiloRegistry
+from silo_server.round_loop import ActiveTask, RoundLoop
+from silo_server.settings import WireLimits
+
+log = logging.getLogger("silo_server")
+
+
+@dataclass
+class TaskView:
+    """What NextTask answers, transport-neutral."""
+
+    kind: str  # "WAIT" | "TRAIN" | "SECAGG" | "DONE"
+    round: int = 0
+    task_id: str = ""
+    bundle_bytes: int = 0
+    bundle_sha256: str = ""
+    hyperparameters_json: str = "{}"
+    class_thresholds: list[float] = field(default_factory=list)
+    expected: dict[str, TensorSpec] = field(default_factory=dict)
+    retry_after_s: float = 1.0
+    message: str = ""
+    privacy_json: str = ""  # TRAIN: DP instructions and the secure-aggregation session, as JSON
+    secagg_stage: str = ""  # SECAGG: the stage to run (share_keys, masked_input, unmask) and its input
+    secagg_payload: bytes = b""
+
+
+class TaskIntake:
+    def __init__(self, registry: SiloRegistry, rounds: RoundLoop, run_id: str, wire: WireLimits):
+        self.registry = registry
+        self.rounds = rounds  # its current task, phase and round; silos leaving a round
+        self.cond = registry.cond
+        self.run_id = run_id
+        self.wire = wire
+        self.upload_budget = UploadBudget(wire.max_inflight_upload_bytes)
+
+    def check_run(self, silo_id: str, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "wrong_run",
+                                       f"run {run_id or '(none)'} is not this hub's run; call Join again")
+
+    # ------------------------------------------------------------------ NextTask
+    def task_for(self, silo_id: str) -> TaskView:
+        """What the silo should do now (call under the lock)."""
+        rounds = self.rounds
+        if rounds.phase in ("done", "failed"):
+            self.registry.tell_done(silo_id)
+            return TaskView("DONE", message=f"run {rounds.phase}")
+        t = rounds.task
+        if t and t.open and silo_id in t.sampled and silo_id not in t.reported:
+            return TaskView(
+                "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
+                hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
+                expected=t.expected, privacy_json=t.privacy.privacy_json(t.task_id) if t.privacy else "",
+            )
+        if t and t.privacy is not None and silo_id in t.sampled:
+            stage = HubPrivacy.view(t.privacy, silo_id)
+            if stage is not None:
+                return TaskView("SECAGG", round=t.round, task_id=t.task_id, secagg_stage=stage[0],
+                                secagg_payload=stage[1])
+        return TaskView("WAIT", retry_after_s=0.5, message=f"phase {rounds.phase}, round {rounds.round}")
+
+    def _task_of(self, silo_id: str, task_id: str) -> ActiveTask:
+        t = self.rounds.task
+        if t is None or t.task_id != task_id or not t.open:
+            raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                       f"task {task_id} is not the current open task (round over or replaced)")
+        if silo_id not in t.sampled:
+            raise self.registry.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
+                                       f"silo {silo_id} was not sampled for round {t.round}")
+        return t
+
+    # ------------------------------------------------------------------ Download
+    def download(self, silo_id: str, run_id: str, task_id: str) -> bytes:
+        self.registry.validate(silo_id, lambda: (validation.check_id("run_id", run_id),
+                                                 validation.check_id("task_id", task_id)))
+        with self.cond:
+            self.check_run(silo_id, run_id)
+            self.registry.touch(silo_id)
+            t = self._task_of(silo_id, task_id)
+            t.downloaded.add(silo_id)
+            t.bytes_down += len(t.bundle)
+            self.registry.count("sent_bytes", len(t.bundle))
+            return t.bundle
+
+    # ------------------------------------------------------------------ Upload
+    def upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
+        """Validate a whole result before it touches the round's sums; any fault refuses it and changes nothing."""
+        if header.get("secagg_stage"):
+            return self._secagg_upload(silo_id, header, chunks)
+        registry, wire = self.registry, self.wire
+        h = registry.validate(silo_id, lambda: validation.check_upload_header(header))
+        with self.cond:
+            self.check_run(silo_id, h.run_id)
+            record = registry.touch(silo_id)
+            t = self._task_of(silo_id, h.task_id)
+            if h.round != t.round:
+                raise registry.refuse(silo_id, "FAILED_PRECONDITION", "wrong_round",
+                                      f"upload names round {h.round}, current round is {t.round}")
+            if silo_id in t.reported:
+                raise registry.refuse(silo_id, "ALREADY_EXISTS", "duplicate", f"silo {silo_id} already reported "
+                                      f"round {t.round}")
+
+            # A silo's weight counts its images: never more than it declared when it first joined, and never more
+            # than the round's share cap (its weight is scaled down to that).
+            max_weight = float(max(1, record.declared_images or 0))
+            share_cap = t.weight_caps.get(silo_id, max_weight)
+        metrics, skipped, total = h.metrics, h.skipped, h.total_bytes
+
+        def still_open() -> bool:
+            return t.open and self.rounds.task is t
+
+        def read() -> dict[str, torch.Tensor]:
+            payload = validation.read_stream(total, h.sha256, chunks, wire.max_upload_bytes, still_open=still_open)
+            if skipped:
+                return {}
+            tensors = validation.decode_tensors(payload)
+            validation.check_update(tensors, t.accepted or t.expected, wire.max_update_norm, max_weight,
+                                    t.plan.groups, unit_weight=t.plan.unit_weight)
+            if not t.plan.unit_weight:
+                factor = validation.cap_weight(tensors, share_cap, validation.weight_prefixes(tensors))
+                if factor < 1.0:
+                    registry.count("weight_capped")
+                    log.warning("round %d: silo %s's weight scaled by %.3g to the round's cap of %g (%g x the median "
+                                "declared images, security.max_weight_factor)", t.round, silo_id, factor, share_cap,
+                                self.rounds.max_weight_factor)
+            if t.privacy is not None:
+                try:
+                    HubPrivacy.check_clear_upload(t.privacy, tensors)
+                except ProtocolError as err:
+                    raise validation.Invalid("FAILED_PRECONDITION", "privacy", str(err)) from None
+            return tensors
+
+        # The announced size is checked before any room is reserved for it: a silo cannot hold more of the budget
+        # than the round's tensors take.
+        registry.validate(silo_id, lambda: validation.check_upload_size(total, wire.max_upload_bytes,
+                                                                         t.accepted or t.expected))
+        with self.upload_budget.hold(total, still_open):
+            tensors = registry.validate(silo_id, read)
+            self._add_upload(silo_id, t, tensors, metrics, skipped, total)
+        log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
+                 len(t.reported), len(t.sampled))
+
+    def _add_upload(self, silo_id: str, t: ActiveTask, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
+                    skipped: bool, total: int) -> None:
+        with self.cond:
+            if self.rounds.task is not t or not t.open:
+                raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                           "the round closed during the upload")
+            if silo_id in t.reported:
+                raise self.registry.refuse(silo_id, "ALREADY_EXISTS", "duplicate", "duplicate upload")
+            t.sums.add(tensors, metrics)
+            t.reported.add(silo_id)
+            if skipped:
+                t.skipped.add(silo_id)
+            else:
+                self.registry.credit(silo_id)
+            t.bytes_up += total
+            self.registry.count("received_bytes", total)
+            self.registry.count("accepted_skips" if skipped else "accepted_updates")
+            self.cond.notify_all()
+
+    def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
+        """A secure-aggregation stage message (silo_server/privacy.py checks it against the session). A message the
+        session cannot use counts its sender out of the session at once, so the stage need not wait for it."""
+        registry, rounds = self.registry, self.rounds
+        stage = header["secagg_stage"]
+        if stage not in STAGE_UPLOADS:
+            raise registry.refuse(silo_id, "INVALID_ARGUMENT", "bad_secagg",
+                                  f"unknown secure-aggregation stage {stage!r}; one of {', '.join(STAGE_UPLOADS)}")
+        with self.cond:
+            self.check_run(silo_id, header.get("run_id", ""))
+            registry.touch(silo_id)
+            t = rounds.task
+            if t is None or t.task_id != header.get("task_id", "") or t.privacy is None:
+                raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                      f"task {header.get('task_id')} is not the current secure-aggregation round")
+            if silo_id not in t.sampled:
+                raise registry.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
+                                      f"silo {silo_id} was not sampled for round {t.round}")
+            if stage == "advertise_keys" and not t.open:
+                raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
+        total = int(header.get("total_bytes", 0))
+        # Checked before any room in the upload budget is held: a silo cannot hold more of it than its stage takes,
+        # nor send more than wire.max_upload_bytes.
+        limit = min(self.wire.max_upload_bytes, HubPrivacy.stage_bytes(t.privacy, stage))
+        if total > limit:
+            raise registry.refuse(silo_id, "RESOURCE_EXHAUSTED", "oversized",
+                                  f"a {stage} message of {total} bytes exceeds the {limit} this round's session allows")
+        # Under the budget like any upload: a hundred masked inputs arriving together wait for room in turn.
+        with self.upload_budget.hold(total, lambda: rounds.task is t):
+            try:
+                assembler = ChunkAssembler(total, limit)
+                for offset, data in chunks:
+                    assembler.add(offset, data)
+                payload = assembler.finish(str(header.get("sha256", "")))
+            except CodecError as err:
+                code = "RESOURCE_EXHAUSTED" if isinstance(err, TooLarge) else "INVALID_ARGUMENT"
+                with self.cond:
+                    if rounds.task is t:
+                        rounds.leave_round(silo_id)  # a message the session cannot use: a dropout
+                        self.cond.notify_all()
+                raise registry.refuse(silo_id, code, "bad_payload", str(err)) from None
+            with self.cond:
+                if rounds.task is not t:
+                    raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                          "the round closed during the upload")
+                try:
+                    HubPrivacy.receive(t.privacy, silo_id, stage, payload)
+                except ProtocolError as err:
+                    duplicate = isinstance(err, DuplicateMessage)
+                    if not duplicate:  # the first message of a stage stands; a broken one is a dropout
+                        rounds.leave_round(silo_id)
+                        self.cond.notify_all()
+                    raise registry.refuse(silo_id, "ALREADY_EXISTS" if duplicate else "INVALID_ARGUMENT",
+                                          "bad_secagg", str(err)) from None
+                if stage == "abort":
+                    rounds.leave_round(silo_id)
+                if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
+                    t.reported.add(silo_id)
+                    registry.credit(silo_id)
+                t.bytes_up += total
+                self.cond.notify_all()
+        log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)

@@ -1,0 +1,279 @@
+"""The hub's silo registry: who joined, under which certificate, how many images each declared, who is live, and
+the refusals and events counted so far. Plain Python; every method takes the shared lock (ChangeCondition) itself
+or says that its caller must hold it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from security import validation
+
+log = logging.getLogger("silo_server")
+
+CERT_WARN_DAYS = 14.0  # certificates closer to expiry than this are logged as warnings
+
+
+class Refusal(Exception):
+    """A request the hub will not act on. `code` is a gRPC status name; `reason` a low-cardinality label."""
+
+    def __init__(self, code: str, reason: str, message: str):
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+class ChangeCondition(threading.Condition):
+    """The hub's lock and condition variable. notify_all also calls `listeners` (under the lock: they must only
+    schedule work), so the gRPC servicer's long-polls learn of a change without a thread waiting for each silo."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self.listeners: list[Callable[[], None]] = []
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        for listener in self.listeners:
+            listener()
+
+
+@dataclass
+class SiloRecord:
+    silo_id: str
+    num_unlabeled: int = 0
+    num_labeled: int = 0
+    device: str = ""
+    skipped_images: int = 0
+    joined_at: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.time)
+    rounds_contributed: int = 0
+    ready: bool = True  # False while the silo loads its images (JoinRequest.preparing): not sampled yet
+    # The images the silo declared when it first joined ready: fixed for the run, it bounds the silo's weight (a
+    # re-join may lower it, never raise it).
+    declared_images: int | None = None
+    serial: int | None = None  # the certificate serial of the silo's live session (None: --insecure-dev-only)
+    polling: int = 0  # NextTask calls held open right now: a silo waiting in a long-poll is live
+    # Left a round without reporting (dropped out, aborted, was refused): not sampled again until it polls again.
+    dropped: bool = False
+    told_done: bool = False  # has heard that the run is over
+
+
+class SiloRegistry:
+    def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0):
+        self.cond = cond
+        self.liveness_s = liveness_s
+        self.silos: dict[str, SiloRecord] = {}
+        self.refusals: dict[str, int] = {}
+        # Monotonic event counts since this process started, read by silo_server/metrics.py at scrape time.
+        self.counters: dict[str, int] = {}
+        # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
+        self.cert_not_after: dict[str, dt.datetime] = {}
+        self.declared_before: dict[str, int] = {}  # images each silo declared, from the checkpoint
+        # Given a certificate serial, whether the CRL lists it now (HubApp sets it from the gate's CRL).
+        self.is_revoked: Callable[[int], bool] | None = None
+
+    # ------------------------------------------------------------------ refusals and counts
+    def refuse(self, silo_id: str | None, code: str, reason: str, message: str) -> Refusal:
+        # Messages may quote what a silo sent: escaped and cut, so no peer can write a line of its own into the log
+        # or into the status it gets back.
+        message = validation.printable(message, 300)
+        self.count_refusal(reason)
+        log.warning("refused %s from %s: %s", reason, validation.printable(silo_id or "?", 140), message)
+        return Refusal(code, reason, message)
+
+    def count_refusal(self, reason: str) -> None:
+        """Count a refusal whose logging the caller does itself (e.g. once per burst, not once per call)."""
+        with self.cond:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.cond:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def validate(self, silo_id: str | None, check: Callable[[], Any]) -> Any:
+        """Run a security.validation check; its failure becomes a counted, logged Refusal."""
+        try:
+            return check()
+        except validation.Invalid as e:
+            raise self.refuse(silo_id, e.code, e.reason, e.message) from None
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def cert_days_left(self) -> dict[str, float]:
+        """Days until each known certificate expires: "hub" for the hub's own, silo ids for the silos'."""
+        now = dt.datetime.now(dt.UTC)
+        return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
+
+    def touch(self, silo_id: str) -> SiloRecord:
+        record = self.silos.get(silo_id)
+        if record is None:
+            raise self.refuse(silo_id, "FAILED_PRECONDITION", "not_joined", "silo has not joined this run; call Join")
+        record.last_seen = time.time()
+        return record
+
+    def check_session(self, silo_id: str, serial: int | None) -> None:
+        """One live session per identity: a call made with another certificate for the same name than the one the
+        silo's session joined with is refused (see join)."""
+        record = self.silos.get(silo_id)
+        if serial is None or record is None or record.serial is None or record.serial == serial:
+            return
+        raise self.refuse(silo_id, "PERMISSION_DENIED", "second_certificate",
+                          f"silo {silo_id} has a live session under another certificate (serial {record.serial:x}); "
+                          f"one session per silo")
+
+    def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0,
+             preparing: bool = False, serial: int | None = None) -> None:
+        """Register a silo. A silo that is still `preparing` (loading its images, which needs the run's image size)
+        is known but not sampled until it joins again ready.
+
+        The images a silo declares the first time it joins ready are fixed for the run: they bound its weight, and a
+        re-join can lower them but never raise them. A second certificate for the same name (`serial`) is refused
+        while the first one's session is live, so it cannot take that silo's place or records."""
+        self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
+        with self.cond:
+            record = self.silos.get(silo_id) or SiloRecord(silo_id)
+            if serial is not None and record.serial is not None and record.serial != serial:
+                if self.is_live(record):
+                    log.warning("a second certificate for silo %s (serial %x) tried to join while the session of "
+                                "serial %x is live: refused; if both are yours, revoke one (`silo-certs issue-silo %s "
+                                "--replace` or `silo-certs revoke`)", silo_id, serial, record.serial, silo_id)
+                    self.count("second_certificate")
+                    raise self.refuse(silo_id, "ALREADY_EXISTS", "second_certificate",
+                                      f"silo {silo_id} already has a live session under another certificate; "
+                                      "one session per silo")
+                log.info("silo %s now joins with certificate serial %x (was %x)", silo_id, serial, record.serial)
+            declared = num_unlabeled + num_labeled
+            if record.declared_images is None and silo_id in self.declared_before:
+                record.declared_images = self.declared_before[silo_id]  # declared before the hub restarted
+            if not preparing:
+                if record.declared_images is not None and declared > record.declared_images:
+                    log.warning("silo %s re-joined declaring %d images; it keeps the %d it declared first (a silo's "
+                                "count is fixed for the run)", silo_id, declared, record.declared_images)
+                record.declared_images = (declared if record.declared_images is None
+                                          else min(declared, record.declared_images))
+            record.num_unlabeled, record.num_labeled = num_unlabeled, num_labeled
+            record.device, record.skipped_images = device, skipped_images
+            record.serial = serial if serial is not None else record.serial
+            record.last_seen = time.time()
+            record.ready = not preparing
+            self.silos[silo_id] = record
+            self.cond.notify_all()
+        if preparing:
+            log.info("silo %s connected and is loading its images (%d unlabeled, %d labeled files); it is sampled "
+                     "once it reports ready", silo_id, num_unlabeled, num_labeled)
+            return
+        days = self.cert_days_left.get(silo_id)
+        log.info("silo %s joined (%d unlabeled, %d labeled images, device %s%s)", silo_id, num_unlabeled,
+                 num_labeled, device, "" if days is None else f", certificate expires in {days:.0f} days")
+        if days is not None and days < CERT_WARN_DAYS:
+            log.warning("the certificate of silo %s expires in %.1f days: renew it (`silo-certs renew %s`)",
+                        silo_id, days, silo_id)
+
+    def revoke(self, silo_id: str, in_round: bool) -> None:
+        """A silo whose certificate was revoked is never live again (its record stays for the model card). Call
+        under the lock; `in_round` only words the log line."""
+        record = self.silos.get(silo_id)
+        if record is None:
+            return
+        if record.last_seen:
+            log.warning("silo %s is revoked: it leaves the run%s", silo_id, " and its round" if in_round else "")
+        record.last_seen = 0.0
+        record.serial = None
+
+    def revoked(self, silo_id: str) -> bool:
+        """Whether the CRL now lists the certificate of the silo's live session."""
+        record = self.silos.get(silo_id)
+        return (self.is_revoked is not None and record is not None and record.serial is not None
+                and self.is_revoked(record.serial))
+
+    def start_poll(self, silo_id: str) -> None:
+        """A silo begins a long-poll: it is live while it waits, and a silo that dropped out of a round may be
+        sampled again now that it asks for work."""
+        with self.cond:
+            record = self.touch(silo_id)
+            record.polling += 1
+            if record.dropped:
+                record.dropped = False
+                self.cond.notify_all()
+
+    def end_poll(self, silo_id: str) -> None:
+        with self.cond:
+            record = self.silos.get(silo_id)
+            if record is not None:
+                record.polling = max(0, record.polling - 1)
+                if record.last_seen:  # a revoked silo stays unheard of
+                    record.last_seen = time.time()
+
+    def tell_done(self, silo_id: str) -> None:
+        record = self.silos.get(silo_id)
+        if record is not None:
+            record.told_done = True
+
+    # ------------------------------------------------------------------ liveness
+    def live_silos(self) -> list[str]:
+        """Silos that can be sampled: heard from within liveness_s and done preparing."""
+        return self._heard_from(ready=True)
+
+    def preparing_silos(self) -> list[str]:
+        """Silos heard from within liveness_s that are still loading their images."""
+        return self._heard_from(ready=False)
+
+    def dropped_silos(self) -> int:
+        """Live silos that left the last round and have not asked for work since."""
+        return sum(1 for r in self.silos.values() if r.dropped and self.is_live(r))
+
+    def _heard_from(self, ready: bool) -> list[str]:
+        return sorted(s for s, r in self.silos.items() if r.ready == ready and not r.dropped and self.is_live(r))
+
+    def is_live(self, record: SiloRecord) -> bool:
+        """Waiting in a long-poll right now, or heard from within liveness_s (a revoked silo never is)."""
+        if not record.last_seen:
+            return False
+        return record.polling > 0 or time.time() - record.last_seen <= self.liveness_s
+
+    def silos_not_told_done(self) -> list[str]:
+        """Silos still live that have not heard the run is over (the app waits for them, up to server.linger_s)."""
+        with self.cond:
+            return sorted(s for s, r in self.silos.items() if not r.told_done and self.is_live(r))
+
+    # ------------------------------------------------------------------ what rounds record
+    def declared_images(self) -> dict[str, int]:
+        """Images each silo declared: fixed for the run, so the checkpoint keeps them for a restarted hub."""
+        with self.cond:
+            declared = dict(self.declared_before)
+            declared.update({s: r.declared_images for s, r in self.silos.items() if r.declared_images is not None})
+            return declared
+
+    def weights(self, silo_ids: Iterable[str]) -> dict[str, int]:
+        """The images each of these silos declared (1 when it declared none), for the round's weight caps."""
+        with self.cond:
+            return {s: self.silos[s].declared_images or 1 for s in silo_ids}
+
+    def credit(self, silo_id: str) -> None:
+        """The silo's result is in a round (call under the lock)."""
+        self.silos[silo_id].rounds_contributed += 1
+
+    def mark_dropped(self, silo_ids: Iterable[str]) -> None:
+        """These silos left a round without reporting: not sampled again until they poll again."""
+        with self.cond:
+            for silo_id in silo_ids:
+                record = self.silos.get(silo_id)
+                if record is not None:
+                    record.dropped = True
+
+    def log_security(self) -> None:
+        """Once a round: certificate expiry (hub and the soonest silo) and the refusals so far, by reason."""
+        days = self.cert_days_left
+        parts = [f"hub {days.pop('hub'):.1f}"] if "hub" in days else []
+        if days:
+            soonest = min(days, key=days.__getitem__)
+            parts.append(f"{len(days)} silos, soonest {soonest} {days[soonest]:.1f}")
+        if parts:
+            log.info("certificate days left: %s", "; ".join(parts))
+        if self.refusals:
+            log.info("refusals so far: %s", json.dumps(dict(sorted(self.refusals.items()))))

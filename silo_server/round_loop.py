@@ -1,0 +1,375 @@
+"""The hub's round loop: wait for silos, sample them, publish the round's task, wait for reports until the quorum
+and the deadline, aggregate (through the privacy layer when it is on), record, checkpoint, and retry a failed
+attempt. The silo calls that feed a round live in silo_server/intake.py, the silos themselves in registry.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import resource
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from security import validation
+from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.rounds import RoundRecord, Sampling
+from silo_core.tensors import TensorSpec, encode, sha256_hex
+from silo_server.aggregate import RunningSum
+from silo_server.privacy import BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed, RoundHooks
+from silo_server.registry import SiloRegistry
+from silo_server.scoring import RunRecords, short
+from silo_server.settings import RoundSettings, wire_specs
+
+log = logging.getLogger("silo_server")
+
+PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "failed")
+
+
+@dataclass
+class ActiveTask:
+    round: int
+    attempt: int
+    task_id: str
+    plan: RoundPlan
+    bundle: bytes
+    bundle_sha256: str
+    hyperparameters_json: str
+    sampled: set[str]
+    deadline: float
+    expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
+    started: float = field(default_factory=time.time)
+    reported: set[str] = field(default_factory=set)
+    skipped: set[str] = field(default_factory=set)
+    downloaded: set[str] = field(default_factory=set)
+    sums: RunningSum = field(default_factory=RunningSum)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    open: bool = True
+    privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/privacy.py)
+    accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
+    weight_caps: dict[str, float] = field(default_factory=dict)  # the most weight each sampled silo may carry
+    gone: set[str] = field(default_factory=set)  # sampled silos known to have left the round (revoked, aborted)
+    rss_at_open: int | None = None  # hub RSS when the task opened, and its peak until the task closed (Linux)
+    rss_peak_collecting: int | None = None
+
+
+class RssMeter:
+    """The hub's resident memory and peak, with the kernel's peak counter restarted at each round's opening so
+    that the collection phase is measured on its own (Linux /proc; elsewhere every reading is None)."""
+
+    def __init__(self) -> None:
+        self._earlier_peak = 0  # the process peak from before the latest restart
+
+    @staticmethod
+    def _status(field_name: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field_name + ":"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            return None
+        return None
+
+    def peak(self) -> int | None:
+        return self._status("VmHWM")
+
+    def restart(self) -> int | None:
+        """Remember the peak so far, restart the kernel's peak at the current RSS and return that RSS."""
+        self._earlier_peak = max(self._earlier_peak, self.peak() or 0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak resident set size to the current one
+        except OSError:
+            return None
+        return self._status("VmRSS")
+
+    def process_peak(self) -> int:
+        usage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return max(self._earlier_peak, self.peak() or 0, usage_peak)
+
+
+class RoundLoop:
+    def __init__(self, algorithm: HubAlgorithm, settings: RoundSettings, registry: SiloRegistry,
+                 records: RunRecords, *, stop_event: threading.Event, privacy: HubPrivacy | None = None,
+                 half_precision: bool = False, max_update_norm: float | None = None,
+                 round_hyperparameters: dict[str, Any] | None = None,
+                 on_round: Callable[[RoundRecord], None] | None = None):
+        self.algorithm = algorithm
+        self.settings = settings
+        self.sampling = Sampling(settings.silos_per_round, settings.silos_per_round_count, settings.seed)
+        self.registry = registry
+        self.cond = registry.cond  # one lock for the whole hub
+        self.records = records
+        self.stop_event = stop_event
+        self.privacy = privacy
+        self.half_precision = half_precision
+        self.max_update_norm = max_update_norm  # what the privacy layer checks a securely aggregated sum against
+        # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
+        self.round_hyperparameters = dict(round_hyperparameters or {})
+        self.on_round = on_round
+        # Weighted runs: no silo carries more than this many times the median images declared by the round's
+        # sampled silos (security.max_weight_factor).
+        self.max_weight_factor = 4.0
+        self.rss_meter = RssMeter()
+        self.task: ActiveTask | None = None
+        self.phase = "starting"
+        self.round = 0
+        self.state: HubState | None = None
+        self.stopped_reason = ""
+        self.failed_attempts = 0  # attempts of the current round that failed in a row
+
+    # ------------------------------------------------------------------ how many
+    def sample_count(self, available: int) -> int:
+        return self.sampling.how_many(available)
+
+    def quorum_count(self, sampled: int) -> int:
+        # A count above the silos sampled this round (fewer were live) waits for all of them, never for more.
+        if self.settings.quorum_silos is not None:
+            return min(sampled, self.settings.quorum_silos)
+        # Rounded before the ceiling: 0.55 * 100 is 55.00000000000001, which must need 55 reports, not 56.
+        return max(1, math.ceil(round(self.settings.quorum * sampled, 9)))
+
+    def fewest_sampled(self) -> int:
+        return self.privacy.fewest_sampled() if self.privacy is not None else 1
+
+    # ------------------------------------------------------------------ silos leaving a round
+    def leave_round(self, silo_id: str) -> None:
+        """Count a sampled silo out of the current round (call under the lock)."""
+        t = self.task
+        if t is None or silo_id not in t.sampled or silo_id in t.gone:
+            return
+        if t.privacy is None and silo_id in t.reported:
+            return  # its result is in the sums already (under secure aggregation a report is only its keys)
+        t.gone.add(silo_id)
+        if t.privacy is not None:
+            HubPrivacy.drop(t.privacy, silo_id)
+
+    def evict(self, silo_id: str) -> None:
+        """A silo whose certificate was revoked: never sampled again (its record stays for the model card), and it
+        leaves the current round at once, so the round goes on with the rest instead of waiting out its deadline."""
+        with self.cond:
+            self.registry.revoke(silo_id, in_round=self.task is not None and silo_id in self.task.sampled)
+            self.leave_round(silo_id)
+            self.cond.notify_all()
+
+    def check_revocations(self) -> None:
+        """Evict every silo of the current round whose certificate the CRL now lists (a silo busy training makes
+        no call the gate could refuse, so the round loop asks)."""
+        if self.registry.is_revoked is None or self.task is None:
+            return
+        for silo_id in sorted(self.task.sampled - self.task.gone):
+            if self.registry.revoked(silo_id):
+                self.evict(silo_id)
+
+    # ------------------------------------------------------------------ the loop
+    def set_phase(self, phase: str) -> None:
+        with self.cond:
+            self.phase = phase
+            self.cond.notify_all()
+
+    def wait_for_silos(self) -> list[str]:
+        self.set_phase("waiting_for_silos")
+        last_log = 0.0
+        needed = max(self.settings.min_silos, self.fewest_sampled())
+        with self.cond:
+            while not self.stop_event.is_set():
+                live = self.registry.live_silos()
+                if len(live) >= needed:
+                    return live
+                if time.time() - last_log > 10:
+                    preparing = len(self.registry.preparing_silos())
+                    dropped = self.registry.dropped_silos()
+                    log.info("waiting for silos: %d ready%s%s, %d needed to start a round%s", len(live),
+                             f" ({preparing} more loading their images)" if preparing else "",
+                             f" ({dropped} more left the last round and have not asked for work since)" if dropped
+                             else "", needed,
+                             " (secure aggregation's dropout tolerance)" if needed > self.settings.min_silos else "")
+                    last_log = time.time()
+                self.cond.wait(timeout=1.0)
+        return []
+
+    def load_state(self) -> HubState | None:
+        """Load and verify the latest checkpoint (RunRecords.load); None when there is none. HubApp calls this
+        before it opens the port, so that a bad state folder stops the hub before any silo is served from it."""
+        loaded = self.records.load(self.settings.total_rounds, check=self.algorithm.served_model)
+        if loaded is None:
+            return None
+        state, self.registry.declared_before = loaded
+        self.state, self.round = state, state.round
+        return state
+
+    def resume_or_init(self) -> HubState:
+        state = self.state if self.state is not None else self.load_state()  # loaded already when HubApp started
+        if state is None:
+            log.info("no checkpoint in %s: initial hub training", self.records.state_dir)
+            state = self.algorithm.init_state()
+            self.records.score_initial(state)
+            self.records.save(state, self.registry.declared_images())
+        self.round = state.round
+        return state
+
+    def run(self) -> HubState:
+        """Resume or start, run every remaining round, and return the final state."""
+        state = self.resume_or_init()
+        self.state = state
+        try:
+            while state.round < self.settings.total_rounds and not self.stop_event.is_set():
+                if self.privacy is not None:
+                    self.privacy.check_budget()
+                state = self.run_round(state)
+                self.state = state
+        except InterruptedError:
+            log.info("stopped during round %d; the next start resumes after round %d", state.round + 1, state.round)
+            return state
+        except BudgetExhausted as err:
+            self.stopped_reason = f"privacy budget: {err}"
+            log.warning("stopping after round %d: %s", state.round, err)
+        self.set_phase("done")
+        return state
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        with self.cond:
+            self.cond.notify_all()
+
+    def run_round(self, state: HubState) -> HubState:
+        r = state.round + 1
+        plan = self.algorithm.begin_round(state)
+        if not self.algorithm.needs_silos:
+            started = time.time()
+            state, metrics = self.algorithm.finish_round(state, {}, {})
+            return self._complete_round(state, metrics, started, None)
+        bundle = encode(plan.tensors, half=self.half_precision)
+        for attempt in itertools.count(1):
+            live = self.wait_for_silos()
+            if self.stop_event.is_set():
+                raise InterruptedError("hub stopping")
+            # Secure aggregation needs enough silos in a round to survive its documented dropouts.
+            sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
+            task = ActiveTask(
+                round=r, attempt=attempt,
+                task_id=f"{self.records.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
+                plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
+                hyperparameters_json=json.dumps({**plan.hyperparameters, **self.round_hyperparameters}),
+                sampled=sampled, deadline=time.time() + self.settings.deadline_s,
+                expected=wire_specs(plan.expected, self.half_precision),
+            )
+            task.weight_caps = validation.weight_cap(self.registry.weights(sampled), self.max_weight_factor)
+            need = self.quorum_count(len(sampled))
+            if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
+                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.registry.silos),
+                                                  need)
+                task.accepted = task.privacy.accepted
+            log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
+            task.rss_at_open = self.rss_meter.restart()
+            with self.cond:
+                self.task, self.round, self.phase = task, r, "training"
+                self.cond.notify_all()
+                # Until every sampled silo reported or is known gone (revoked, aborted), or the deadline.
+                while not sampled <= task.reported | task.gone and time.time() < task.deadline:
+                    if self.stop_event.is_set():
+                        raise InterruptedError("hub stopping")
+                    self.cond.wait(timeout=0.5)
+                    self.check_revocations()
+                task.open = False
+                self.phase = "aggregating"
+            task.rss_peak_collecting = self.rss_meter.peak()
+            private = None
+            try:
+                if self.privacy is not None:
+                    hooks = RoundHooks(cond=self.cond, stop_event=self.stop_event, refuse=self.registry.refuse,
+                                       max_update_norm=self.max_update_norm)
+                    private = self.privacy.complete(task, need, hooks)  # unmasked, noised and charged
+                    aggregation_started = time.time()
+                    state, metrics = self.algorithm.finish_round(state, private.sums, private.metrics)
+                else:
+                    if len(task.reported) < need:
+                        raise RoundFailed(f"{len(task.reported)} of {len(sampled)} sampled silos reported, below "
+                                          f"quorum {need}")
+                    aggregation_started = time.time()
+                    state, metrics = self.algorithm.finish_round(state, task.sums.result(), task.sums.metrics)
+                aggregation_seconds = time.time() - aggregation_started
+            except RoundFailed as failed:
+                self._round_failed(task, str(failed))
+                continue
+            self._mark_dropped(task)
+            return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private)
+        raise AssertionError("unreachable")
+
+    def _mark_dropped(self, task: ActiveTask) -> None:
+        """Sampled silos that did not report are not sampled again until they poll again."""
+        with self.cond:
+            left = task.sampled - (task.reported - task.gone)
+            if task.privacy is not None:
+                left |= HubPrivacy.dropouts(task.privacy)  # reported their keys, then fell silent
+            self.registry.mark_dropped(left)
+
+    def _round_failed(self, task: ActiveTask, reason: str) -> None:
+        """Silos failing a round never stop the hub: it logs why, counts it and retries after a growing pause."""
+        self._mark_dropped(task)
+        with self.cond:
+            self.task = None
+            self.failed_attempts += 1
+            failures = self.failed_attempts
+        self.registry.count("rounds_failed")
+        if "below quorum" in reason:
+            self.registry.count("below_quorum")
+        pause = min(60.0, 2.0 ** (failures - 1))
+        log.warning("round %d attempt %d failed: %s; retrying in %.0f s", task.round, task.attempt, reason, pause)
+        if failures % self.settings.max_attempts == 0:
+            log.error("round %d has failed %d times in a row (last: %s); the hub keeps retrying: check that enough "
+                      "silos are connected and healthy (rounds.min_silos, rounds.quorum, the silos' logs)",
+                      task.round, failures, reason)
+        self.stop_event.wait(pause)
+
+    def _complete_round(self, state: HubState, metrics: dict[str, float], started: float, task: ActiveTask | None,
+                        aggregation_seconds: float | None = None, private: PrivateSums | None = None) -> HubState:
+        scoring_started = time.time()
+        scores = self.records.score(state)
+        evaluation_seconds = time.time() - scoring_started if self.records.scores_anything else None
+        record = RoundRecord(
+            round=state.round, scores=scores, round_seconds=time.time() - started,
+            aggregation_seconds=aggregation_seconds, evaluation_seconds=evaluation_seconds,
+            hub_peak_rss_bytes=self.rss_meter.process_peak(),
+            dp=private.dp if private is not None else None, secagg=private.secagg if private is not None else None,
+            algorithm=dict(metrics))
+        if task is not None:
+            record = with_silos(record, task)
+        self.records.history.append(record)
+        self.failed_attempts = 0
+        self.records.save(state, self.registry.declared_images())
+        with self.cond:
+            self.task = None
+            self.round = state.round
+        log.info("round %d done: %s", state.round, json.dumps({k: short(v) for k, v in record.to_json().items()}))
+        self.registry.log_security()
+        if self.on_round is not None:
+            self.on_round(record)
+        return state
+
+
+def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
+    """What the round's silos did: who reported, bytes, their mean training loss and time, the hub's memory."""
+    reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
+    sums = task.sums
+    return replace(
+        record, silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
+        silos_dropped=len(task.sampled) - reporters, attempt=task.attempt, bytes_up=task.bytes_up,
+        bytes_down=task.bytes_down,
+        silo_train_loss=sums.metrics["train_loss"] / sums.contributors
+        if reporters and "train_loss" in sums.metrics and sums.contributors else None,
+        # Where a round's time goes: the silos' own computation (skipping silos report it too), against the
+        # round's wall time.
+        silo_train_seconds=sums.metrics["train_seconds"] / reporters
+        if reporters and "train_seconds" in sums.metrics else None,
+        # What the hub held beyond its steady state while silos downloaded and uploaded (target: flat in the
+        # number of silos); hub_peak_rss_bytes also counts start-up, evaluation and fine-tuning.
+        collecting_rss_growth_bytes=task.rss_peak_collecting - task.rss_at_open
+        if task.rss_at_open is not None and task.rss_peak_collecting is not None else None)

@@ -1,0 +1,95 @@
+"""The hub's records of the run: its id, the round history, the initial model's scores, scoring a model on the
+hub's validation split and test set, and checkpoints (silo_server/checkpoint.py writes and verifies the files)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from silo_core.algorithms.base import HubState
+from silo_core.files import write_json_atomic
+from silo_core.rounds import RoundRecord, Scores, records_from_json
+from silo_server.checkpoint import load_latest, save_checkpoint
+
+log = logging.getLogger("silo_server")
+
+Scorer = Callable[[HubState], dict[str, float]]
+
+
+class RunRecords:
+    def __init__(self, state_dir: Path, *, evaluate: Scorer | None = None, validate: Scorer | None = None,
+                 privacy: Any = None):
+        self.state_dir = Path(state_dir)
+        self.evaluate = evaluate  # the test set, where the hub has one
+        self.validate_model = validate  # the hub's validation split: validation_* per round, model selection
+        self.privacy = privacy  # HubPrivacy or None: its accountant is checkpointed with the rounds
+        self.history: list[RoundRecord] = []
+        self.initial = Scores()  # the initial model's scores, before round 1
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = self._load_or_make_run_id()
+
+    def _load_or_make_run_id(self) -> str:
+        path = self.state_dir / "run.json"
+        if path.is_file():
+            return json.loads(path.read_text())["run_id"]
+        run_id = uuid.uuid4().hex
+        write_json_atomic(path, {"run_id": run_id, "created": time.time()})
+        return run_id
+
+    # ------------------------------------------------------------------ scores
+    @property
+    def scores_anything(self) -> bool:
+        return self.validate_model is not None or self.evaluate is not None
+
+    def score(self, state: HubState) -> Scores:
+        """The served model's scores on the validation split and the test set, where the hub has them."""
+        validation = self.validate_model(state) if self.validate_model is not None else None
+        test = self.evaluate(state) if self.evaluate is not None else None
+        return Scores.measured(test=test, validation=validation)
+
+    def score_initial(self, state: HubState) -> None:
+        """What the hub's labels alone taught the model before the silos start from it; scoring it now also pays
+        the evaluation's first-call costs before round 1 rather than in it."""
+        self.history = []
+        self.initial = self.score(state)
+        if self.initial != Scores():
+            log.info("initial model (the hub's labels alone): %s",
+                     json.dumps({k: short(v) for k, v in self.initial.to_json().items()}))
+
+    # ------------------------------------------------------------------ checkpoints
+    def load(self, total_rounds: int, check: Callable[..., Any]) -> tuple[HubState, dict[str, int]] | None:
+        """Load and verify the latest checkpoint (silo_server/checkpoint.py says what is checked): its history,
+        initial scores and privacy accountant come back here; the state and the images each silo declared are
+        returned. None when there is none; CheckpointError says which file and how to recover."""
+        loaded = load_latest(self.state_dir, total_rounds=total_rounds, check=check)
+        if loaded is None:
+            return None
+        state, info = loaded
+        declared = {str(k): int(v) for k, v in (info.get("declared_images") or {}).items()
+                    if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        self.history = records_from_json(info.get("history", []))
+        self.initial = Scores.from_json(info.get("initial", {}))
+        if self.privacy is not None:
+            self.privacy.load_state_dict(info.get("privacy"))
+        log.info("resumed from checkpoint after round %d", state.round)
+        return state, declared
+
+    def save(self, state: HubState, declared_images: dict[str, int]) -> None:
+        history, initial = [r.to_json() for r in self.history], self.initial.to_json()
+        info: dict[str, Any] = {"run_id": self.run_id, "history": history, "initial": initial,
+                                # fixed for the run: a restarted hub must not let a silo declare more
+                                "declared_images": declared_images}
+        if self.privacy is not None:
+            info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
+        save_checkpoint(self.state_dir, state, info)
+        write_json_atomic(self.state_dir / "history.json",
+                          {"run_id": self.run_id, "initial": initial, "rounds": history})
+
+
+def short(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v

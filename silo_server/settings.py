@@ -1,0 +1,46 @@
+"""The hub's settings, grouped by the part that uses them (HubApp fills them from hub.yaml through Hub's keywords)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from silo_core.tensors import TensorSpec
+
+HALF_MIN_ELEMENTS = 1024
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """hub.yaml `rounds` (and run.seed): how many rounds, how many silos each samples and how long it waits.
+    Each of sampling and quorum is a fraction, or a count when the count is given (never a value read as either)."""
+
+    total_rounds: int
+    silos_per_round: float = 1.0
+    silos_per_round_count: int | None = None
+    min_silos: int = 1
+    quorum: float = 0.5
+    quorum_silos: int | None = None
+    deadline_s: float = 600.0
+    max_attempts: int = 5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """hub.yaml `wire` (and security.max_update_norm): what an upload may be."""
+
+    max_upload_bytes: int = 512 << 20
+    max_inflight_upload_bytes: int = 64 << 20
+    max_update_norm: float | None = None
+    half_precision: bool = False
+
+
+def wire_specs(expected: dict[str, TensorSpec], half: bool) -> dict[str, TensorSpec]:
+    """With half precision, large float32 tensors (weights, deltas) travel as float16; small ones (weights, counts)
+    stay float32 so that counts remain exact."""
+    if not half:
+        return dict(expected)
+    return {name: TensorSpec(spec.shape, "float16")
+            if spec.dtype == "float32" and math.prod(spec.shape) >= HALF_MIN_ELEMENTS else spec
+            for name, spec in expected.items()}
