@@ -1,0 +1,106 @@
+"""The hub's parts, each without the Hub facade: the silo registry, the run records, the round loop and the privacy
+layer's round completion (which gets what it uses of the hub passed in)."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from security.dp import DPConfig
+from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.models import ModelSpec
+from silo_core.rounds import RoundRecord, Scores
+from silo_core.tensors import TensorSpec
+from silo_server.aggregate import RunningSum
+from silo_server.privacy import HubPrivacy, PrivacySection, RoundFailed, RoundHooks
+from silo_server.registry import ChangeCondition, Refusal, SiloRegistry
+from silo_server.round_loop import RoundLoop
+from silo_server.scoring import RunRecords
+from silo_server.settings import RoundSettings
+
+
+class HubOnly(HubAlgorithm):
+    """Rounds that need no silos: each adds one to the hub's vector."""
+
+    name = "hub-only"
+    needs_silos = False
+
+    def __init__(self):
+        super().__init__(None, ModelSpec(), None, torch.device("cpu"), 0, 2)
+
+    def init_state(self):
+        return HubState(0, {"model/x": torch.zeros(2)})
+
+    def begin_round(self, state):
+        return RoundPlan(state.round + 1, {}, {}, {})
+
+    def finish_round(self, state, summed, metrics):
+        return HubState(state.round + 1, {"model/x": state.tensors["model/x"] + 1}), {"moved": 1.0}
+
+    def served_model(self, state):
+        return torch.nn.Identity()
+
+
+def test_the_registry_fixes_declared_images_counts_refusals_and_forgets_silent_silos():
+    registry = SiloRegistry(ChangeCondition(), liveness_s=60.0)
+    registry.declared_before = {"b": 5}  # from a checkpoint
+    registry.join("a", 10, 0, "cpu")
+    registry.join("a", 50, 0, "cpu")  # a re-join may lower the count, never raise it
+    registry.join("b", 9, 0, "cpu")
+    registry.join("c", 3, 0, "cpu", preparing=True)
+    assert registry.declared_images() == {"a": 10, "b": 5}
+    assert registry.live_silos() == ["a", "b"] and registry.preparing_silos() == ["c"]
+
+    with pytest.raises(Refusal) as refused:
+        raise registry.validate("a", lambda: registry.touch("nobody"))
+    assert refused.value.reason == "not_joined" and registry.refusals == {"not_joined": 1}
+
+    registry.silos["a"].last_seen = time.time() - 120  # silent for longer than liveness_s
+    registry.revoke("b", in_round=False)
+    assert registry.live_silos() == [] and registry.silos_not_told_done() == ["c"]
+
+
+def test_run_records_keep_the_run_id_and_read_back_what_they_saved(tmp_path):
+    records = RunRecords(tmp_path, evaluate=lambda state: {"accuracy": 0.5, "loss": 1.0})
+    assert RunRecords(tmp_path).run_id == records.run_id  # the same state folder is the same run
+    state = HubState(1, {"model/x": torch.ones(2)})
+    records.history.append(RoundRecord(round=1, scores=records.score(state)))
+    records.save(state, {"a": 7})
+
+    again = RunRecords(tmp_path)
+    loaded_state, declared = again.load(total_rounds=3, check=lambda state: torch.nn.Identity())
+    assert loaded_state.round == 1 and declared == {"a": 7}
+    assert [r.round for r in again.history] == [1] and again.history[0].scores == records.history[0].scores
+    assert again.initial == Scores()
+
+
+def test_the_round_loop_runs_hub_only_rounds_and_counts_quorums_from_its_settings(tmp_path):
+    registry, records = SiloRegistry(ChangeCondition()), RunRecords(tmp_path)
+    seen = []
+    loop = RoundLoop(HubOnly(), RoundSettings(total_rounds=2, quorum=0.55), registry, records,
+                     stop_event=threading.Event(), on_round=seen.append)
+    state = loop.run()
+    assert state.round == 2 and loop.phase == "done" and [r.round for r in seen] == [1, 2]
+    assert torch.equal(state.tensors["model/x"], torch.full((2,), 2.0))
+    assert loop.quorum_count(100) == 55 and loop.quorum_count(1) == 1
+    assert RoundLoop(HubOnly(), RoundSettings(total_rounds=1, quorum_silos=4), registry, records,
+                     stop_event=threading.Event()).quorum_count(3) == 3
+
+
+def test_privacy_completes_a_round_from_the_task_and_hooks_alone():
+    privacy = HubPrivacy(PrivacySection(dp=DPConfig(enabled=True, clip_norm=10.0)), seed=0)
+    expected = {"delta/x": TensorSpec((3,), "float32"), "weight": TensorSpec((1,), "float32")}
+    sums = RunningSum()
+    for value in (1.0, 2.0):
+        sums.add({"delta/x": torch.full((3,), value), "weight": torch.ones(1)}, {"n": 1.0})
+    task = SimpleNamespace(round=1, sampled={"a", "b"}, reported={"a", "b"}, sums=sums, started=time.time(),
+                           privacy=privacy.begin("t1", expected, {"a", "b"}, 2, 2))
+    hooks = RoundHooks(cond=threading.Condition(), stop_event=threading.Event(), refuse=None)
+
+    private = privacy.complete(task, 2, hooks)
+    assert private.dp is not None and private.dp.epsilon > 0 and set(private.sums) == {"delta/x", "weight"}
+    task.reported = {"a"}
+    with pytest.raises(RoundFailed, match="1 of 2 sampled silos reported, below quorum 2"):
+        privacy.complete(task, 2, hooks)
