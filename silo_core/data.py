@@ -15,10 +15,13 @@ their md5 checks pass).
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
 import hashlib
 import importlib.resources
 import logging
+import multiprocessing
+import multiprocessing.context
 import os
 import re
 import stat
@@ -222,7 +225,7 @@ def load_image_file(path: str | os.PathLike[str], image_size: int, channels: int
 # --- image files read lazily ---------------------------------------------------------------------------------
 
 # A folder whose decoded pixels (N x C x H x W bytes) fit in this many MiB is decoded once, when loaded, into one
-# tensor: re-decoding small images on every pass costs more than it saves (28 px: 784 bytes an image, 670,000 of
+# tensor: re-decoding small images on every pass costs more than it saves (28 px: 784 bytes an image, 680,000 of
 # them per 512 MiB). A bigger folder is read from disk batch by batch, so memory does not grow with the image
 # count (224 px RGB: 150 KB an image, 3 GB for 20,000). silo-client --cache-mb and hub.yaml data.cache_mb set it.
 DEFAULT_CACHE_MB = 512.0
@@ -230,6 +233,19 @@ DEFAULT_CACHE_MB = 512.0
 # training process itself). silo-client --loader-workers and hub.yaml data.loader_workers set it.
 DEFAULT_LOADER_WORKERS = 2
 _LOGGED_UNREADABLE = 10  # files found unreadable while training that are logged one by one (per folder)
+
+
+@functools.cache
+def _worker_start() -> multiprocessing.context.BaseContext:
+    """How loader workers start: forked from a fork server, a small process started once that has imported this
+    module and nothing else, never forked from the hub or silo itself. A fork of the hub copied its running gRPC
+    server's polling state, and a worker crashed in gRPC's epoll code (taking the round with it); a fork of either
+    would also inherit its models and buffers. Spawn where there is no fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # workers then start in milliseconds, torch already imported
+    return context
 
 
 def fits_in_memory(num_images: int, image_size: int, channels: int, cache_mb: float) -> bool:
@@ -269,9 +285,9 @@ def _probe_files(paths: list[Path], image_size: int, channels: int) -> tuple[lis
 
 
 class _FileReader(Dataset):
-    """What a DataLoader worker gets: the paths and the target format, nothing else. The paths are one numpy byte
-    array rather than a list of Path objects, whose reference counts a forked worker would write to (copying the
-    memory pages they live on); decoding is _decode's, so an image is the same whichever process decodes it."""
+    """What a DataLoader worker gets (pickled): the paths and the target format, nothing else. The paths are one
+    numpy byte array, a single object to pickle rather than one per path; decoding is _decode's, so an image is the
+    same whichever process decodes it."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], image_size: int, channels: int):
         self.paths = np.array([os.fsencode(p) for p in paths], dtype=np.bytes_)
@@ -398,7 +414,7 @@ class ImageFiles:
         todo = [r[~k].tolist() for r, k in zip(rows, known, strict=True)]  # known-bad files are not read again
         workers = min(self.workers if workers is None else workers, len(todo))
         loader = DataLoader(self.reader, batch_sampler=todo, collate_fn=self.reader.collate, num_workers=workers,
-                            pin_memory=pin_memory)
+                            pin_memory=pin_memory, multiprocessing_context=_worker_start() if workers else None)
         for r, k, wanted, (ok, pixels, failed) in zip(rows, known, todo, loader, strict=True):
             for position, reason in failed:
                 self._found_unreadable(wanted[position], reason)
