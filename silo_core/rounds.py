@@ -8,7 +8,8 @@ and a reader cannot drift apart on a key (the DP gauges once read `epsilon_spent
 On disk a record is one flat JSON object (history.json, the checkpoint's state.json, summary.json, bench results):
 `to_json` writes the layout these files had before the record existed and leaves out what is None, and `from_json`
 reads every file written since, so old state folders and committed results still load. The nested parts keep their
-prefixes there: `dp_*` (`DPRound`), `secagg_*` (`SecAggRound`); any other key is one of the algorithm's own metrics.
+prefixes there: `dp_*` (`DPRound`), `secagg_*` (`SecAggRound`), `aggregation_*` (`AggregationRound`); any other
+key is one of the algorithm's own metrics.
 """
 
 from __future__ import annotations
@@ -167,6 +168,34 @@ _SECAGG_STAGE = re.compile(r"^secagg_([a-z][a-z0-9_]*)_seconds$")
 
 
 @dataclass(frozen=True)
+class AggregationRound:
+    """A robust aggregation rule's decision (silo_server/robust.py, hub.yaml aggregation.rule): of the round's
+    individual updates, how many the rule left out (excluded) or gave under half their part in the mean
+    (down-weighted), and which silos."""
+
+    rule: str
+    updates: int
+    down_weighted: int = 0
+    excluded: int = 0
+    down_weighted_silos: tuple[str, ...] = ()
+    excluded_silos: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"aggregation_rule": self.rule, "aggregation_updates": self.updates,
+                "aggregation_down_weighted": self.down_weighted, "aggregation_excluded": self.excluded,
+                "aggregation_down_weighted_silos": list(self.down_weighted_silos),
+                "aggregation_excluded_silos": list(self.excluded_silos)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> AggregationRound:
+        return cls(rule=str(d["aggregation_rule"]), updates=_count(d["aggregation_updates"], "aggregation_updates"),
+                   down_weighted=_count(d.get("aggregation_down_weighted", 0), "aggregation_down_weighted"),
+                   excluded=_count(d.get("aggregation_excluded", 0), "aggregation_excluded"),
+                   down_weighted_silos=tuple(str(s) for s in d.get("aggregation_down_weighted_silos", ())),
+                   excluded_silos=tuple(str(s) for s in d.get("aggregation_excluded_silos", ())))
+
+
+@dataclass(frozen=True)
 class RoundRecord:
     """Everything a completed round reports. None: not measured in this round or by this runner (the in-process
     runner has no bytes on the wire; a hub-only algorithm samples no silos; DP and secure aggregation may be off)."""
@@ -194,6 +223,7 @@ class RoundRecord:
     # privacy
     dp: DPRound | None = None
     secagg: SecAggRound | None = None
+    aggregation: AggregationRound | None = None  # a robust rule's decision (None under the plain mean)
     # the algorithm's own metrics (hub_loss, aggregated_weight, pseudo-label ratio, per-class thresholds, ...)
     algorithm: dict[str, float] = field(default_factory=dict)
 
@@ -224,6 +254,8 @@ class RoundRecord:
             out.update(self.dp.to_json())
         if self.secagg is not None:
             out.update(self.secagg.to_json())
+        if self.aggregation is not None:
+            out.update(self.aggregation.to_json())
         return out
 
     @classmethod
@@ -238,6 +270,7 @@ class RoundRecord:
             round=_count(d["round"], "round"), scores=Scores.from_json(d),
             dp=DPRound.from_json(d) if d.get("dp_epsilon") is not None else None,
             secagg=SecAggRound.from_json(d) if d.get("secagg_u3") is not None else None,
+            aggregation=AggregationRound.from_json(d) if d.get("aggregation_rule") is not None else None,
             algorithm=algorithm, **plain)
 
 
@@ -249,7 +282,7 @@ _SCORES = frozenset(f.name for f in fields(Scores))
 
 def _reserved(key: str) -> bool:
     """Whether a flat JSON key belongs to the record itself rather than to the algorithm's metrics."""
-    return key == "round" or key in _PLAIN or key in _SCORES or key.startswith(("dp_", "secagg_"))
+    return key == "round" or key in _PLAIN or key in _SCORES or key.startswith(("dp_", "secagg_", "aggregation_"))
 
 
 def records_from_json(rows: Iterable[Mapping[str, Any]]) -> list[RoundRecord]:

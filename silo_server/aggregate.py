@@ -25,9 +25,13 @@ class RunningSum:
                 self.tensors[name] += value
             else:
                 self.tensors[name] = value.clone()
+        self.add_metrics(metrics, contributed=bool(tensors))
+
+    def add_metrics(self, metrics: Mapping[str, float], contributed: bool) -> None:
+        """A result whose tensors are kept elsewhere (a robust rule's update file): only its metrics are summed."""
         for key, value in metrics.items():
             self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
-        if tensors:
+        if contributed:
             self.contributors += 1
 
     def result(self) -> dict[str, torch.Tensor]:

@@ -138,6 +138,7 @@ class HubApp:
             privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
             round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
                                    if config.privacy.sample_dp.enabled else None),
+            aggregation=config.aggregation,
         )
         self.hub.max_weight_factor = config.security.max_weight_factor
         # The best round so far on the validation split; its model is kept in the state dir across restarts.

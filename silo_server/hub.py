@@ -26,6 +26,7 @@ from silo_core.rounds import RoundRecord
 from silo_server.intake import TaskIntake, TaskView
 from silo_server.privacy import HubPrivacy, RoundFailed
 from silo_server.registry import CERT_WARN_DAYS, ChangeCondition, Refusal, SiloRecord, SiloRegistry
+from silo_server.robust import AggregationSection
 from silo_server.round_loop import PHASES, ActiveTask, RoundLoop, RssMeter
 from silo_server.scoring import RunRecords
 from silo_server.settings import HALF_MIN_ELEMENTS, RoundSettings, WireLimits, wire_specs
@@ -66,6 +67,7 @@ class Hub:
         seed: int = 0,
         privacy: HubPrivacy | None = None,
         round_hyperparameters: dict[str, Any] | None = None,
+        aggregation: AggregationSection | None = None,
     ):
         # hub.yaml's keywords, grouped by the part that uses them.
         settings = RoundSettings(total_rounds, silos_per_round, silos_per_round_count, min_silos, quorum,
@@ -81,7 +83,8 @@ class Hub:
         self.run_description = {**run_description, "run_id": self.run_id, "total_rounds": total_rounds}
         self.rounds = RoundLoop(algorithm, settings, self.registry, self.records, stop_event=self.stop_event,
                                 privacy=self.privacy, half_precision=half_precision, max_update_norm=max_update_norm,
-                                round_hyperparameters=round_hyperparameters, on_round=on_round)
+                                round_hyperparameters=round_hyperparameters, on_round=on_round,
+                                aggregation=aggregation)
         self.intake = TaskIntake(self.registry, self.rounds, self.run_id, wire)
 
     # What the app, the metrics and the tests read (and some set) on the hub, kept by the part that owns it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,19 +156,38 @@ class TaskIntake:
                                                                          t.accepted or t.expected))
         with self.upload_budget.hold(total, still_open):
             tensors = registry.validate(silo_id, read)
-            self._add_upload(silo_id, t, tensors, metrics, skipped, total)
+            # A robust rule (aggregation.rule) needs each update: it goes to its own file, outside the hub's RAM.
+            stored = None
+            if t.updates is not None and tensors:
+                try:
+                    stored = t.updates.write(tensors)
+                except OSError:
+                    if still_open():
+                        raise
+                    raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                          "the round closed during the upload") from None
+            try:
+                self._add_upload(silo_id, t, tensors, metrics, skipped, total, stored)
+            except BaseException:
+                if stored is not None:
+                    t.updates.discard(stored)
+                raise
         log.info("round %d: %s from %s (%d/%d reported)", t.round, "skip" if skipped else "update", silo_id,
                  len(t.reported), len(t.sampled))
 
     def _add_upload(self, silo_id: str, t: ActiveTask, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
-                    skipped: bool, total: int) -> None:
+                    skipped: bool, total: int, stored: Path | None = None) -> None:
         with self.cond:
             if self.rounds.task is not t or not t.open:
                 raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
                                            "the round closed during the upload")
             if silo_id in t.reported:
                 raise self.registry.refuse(silo_id, "ALREADY_EXISTS", "duplicate", "duplicate upload")
-            t.sums.add(tensors, metrics)
+            if stored is not None:
+                t.updates.keep(silo_id, stored)
+                t.sums.add_metrics(metrics, contributed=True)
+            else:
+                t.sums.add(tensors, metrics)
             t.reported.add(silo_id)
             if skipped:
                 t.skipped.add(silo_id)

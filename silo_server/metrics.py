@@ -26,9 +26,11 @@ in use, or at the algorithm's static value):
     round_seconds, aggregation_seconds       silokit_hub_round_duration_seconds, ..._aggregation_duration_seconds
     evaluation_seconds                       silokit_hub_evaluation_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
+    aggregation.excluded, .down_weighted     silokit_hub_round_aggregation_silos{decision="excluded"|"down_weighted"}
+                                             (the last round's; 0 under the mean), silokit_hub_aggregation_silos_total
 
 Labels stay low-cardinality: `silo` (one per enrolled silo, a few to a few hundred), `phase`, `state`, `reason`,
-`class`, `stage`, `certificate`; never a round number or an image.
+`class`, `stage`, `certificate`, `decision`; never a round number or an image.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ class HubMetrics:
         self.secagg_recoveries = Counter(
             "silokit_hub_secagg_recoveries", "Dropped silos whose masks were recovered from the survivors' shares.",
             registry=r)
+        self.aggregation_silos = Counter(
+            "silokit_hub_aggregation_silos", "Silos a robust aggregation rule (aggregation.rule) excluded from a "
+            "round or gave under half their part in the mean, summed over rounds.", ["decision"], registry=r)
+        for decision in ("excluded", "down_weighted"):
+            self.aggregation_silos.labels(decision)
         self.dropouts = Counter(
             "silokit_hub_silo_dropouts", "Sampled silos that did not report before a round closed.", registry=r)
         self.progress = Gauge(
@@ -130,6 +137,9 @@ class HubMetrics:
             if seconds is not None:
                 histogram.observe(seconds)
         self.dropouts.inc(max(0, record.silos_dropped or 0))
+        if record.aggregation is not None:
+            self.aggregation_silos.labels("excluded").inc(record.aggregation.excluded)
+            self.aggregation_silos.labels("down_weighted").inc(record.aggregation.down_weighted)
         if record.secagg is not None:
             for stage, seconds in record.secagg.stage_seconds.items():
                 self.secagg_duration.labels(stage).observe(seconds)
@@ -283,6 +293,13 @@ class _HubStateCollector(Collector):
                      "without a budget).", (dp.epsilon_budget or 0.0) if dp is not None else 0.0)
         yield _gauge("silokit_hub_dp_delta", "Differential-privacy delta (0 without DP).",
                      (dp.delta or 0.0) if dp is not None else 0.0)
+        decided = _gauge("silokit_hub_round_aggregation_silos", "Silos the robust aggregation rule (aggregation.rule) "
+                         "excluded from the last round or gave under half their part in the mean (0 under the "
+                         "mean).", labels=["decision"])
+        rule = last.aggregation
+        decided.add_metric(["excluded"], rule.excluded if rule is not None else 0.0)
+        decided.add_metric(["down_weighted"], rule.down_weighted if rule is not None else 0.0)
+        yield decided
         certs = _gauge("silokit_hub_certificate_remaining_seconds", "Time until the hub's own certificate (hub) or "
                        "the federation CA's (ca) expires.", labels=["certificate"])
         if self.m.certs is not None:

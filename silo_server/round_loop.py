@@ -18,11 +18,12 @@ from typing import Any
 
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
-from silo_core.rounds import RoundRecord, Sampling
+from silo_core.rounds import AggregationRound, RoundRecord, Sampling
 from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
 from silo_server.privacy import BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed, RoundHooks
 from silo_server.registry import SiloRegistry
+from silo_server.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
 from silo_server.scoring import RunRecords, short
 from silo_server.settings import RoundSettings, wire_specs
 
@@ -57,6 +58,9 @@ class ActiveTask:
     gone: set[str] = field(default_factory=set)  # sampled silos known to have left the round (revoked, aborted)
     rss_at_open: int | None = None  # hub RSS when the task opened, and its peak until the task closed (Linux)
     rss_peak_collecting: int | None = None
+    # Under a robust aggregation rule (not mean): the individual updates, one file each, instead of `sums`
+    # (which then holds only the silos' metrics).
+    updates: UpdateStore | None = None
 
 
 class RssMeter:
@@ -100,7 +104,8 @@ class RoundLoop:
                  records: RunRecords, *, stop_event: threading.Event, privacy: HubPrivacy | None = None,
                  half_precision: bool = False, max_update_norm: float | None = None,
                  round_hyperparameters: dict[str, Any] | None = None,
-                 on_round: Callable[[RoundRecord], None] | None = None):
+                 on_round: Callable[[RoundRecord], None] | None = None,
+                 aggregation: AggregationSection | None = None):
         self.algorithm = algorithm
         self.settings = settings
         self.sampling = Sampling(settings.silos_per_round, settings.silos_per_round_count, settings.seed)
@@ -114,6 +119,16 @@ class RoundLoop:
         # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
         self.round_hyperparameters = dict(round_hyperparameters or {})
         self.on_round = on_round
+        self.aggregation = aggregation or AggregationSection()  # hub.yaml aggregation (silo_server/robust.py)
+        if self.aggregation.rule != "mean" and privacy is not None:
+            raise ValueError(f"aggregation.rule: {self.aggregation.rule} needs each silo's update, which the "
+                             "privacy layer does not give the hub: only aggregation.rule: mean works with privacy")
+        if self.aggregation.rule == "fltrust" and not algorithm.has_trusted_update():
+            raise ValueError(f"aggregation.rule: fltrust needs the hub's own update, which algorithm "
+                             f"{algorithm.name!r} does not compute")
+        if self.aggregation.rule != "mean":
+            log.info("aggregation.rule %s: each round's updates wait in their own files under %s until the round "
+                     "ends", self.aggregation.rule, records.state_dir / "round-updates")
         # Weighted runs: no silo carries more than this many times the median images declared by the round's
         # sampled silos (security.max_weight_factor).
         self.max_weight_factor = 4.0
@@ -206,6 +221,7 @@ class RoundLoop:
         return state
 
     def resume_or_init(self) -> HubState:
+        UpdateStore.clear_leftovers(self.records.state_dir)  # a stopped hub's round is run again
         state = self.state if self.state is not None else self.load_state()  # loaded already when HubApp started
         if state is None:
             log.info("no checkpoint in %s: initial hub training", self.records.state_dir)
@@ -261,6 +277,8 @@ class RoundLoop:
                 sampled=sampled, deadline=time.time() + self.settings.deadline_s,
                 expected=wire_specs(plan.expected, self.half_precision),
             )
+            if self.aggregation.rule != "mean":
+                task.updates = UpdateStore(self.records.state_dir / "round-updates" / task.task_id)
             task.weight_caps = validation.weight_cap(self.registry.weights(sampled), self.max_weight_factor)
             need = self.quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
@@ -282,6 +300,8 @@ class RoundLoop:
                 self.phase = "aggregating"
             task.rss_peak_collecting = self.rss_meter.peak()
             private = None
+            decision = None
+            failure: str | None = None
             try:
                 if self.privacy is not None:
                     hooks = RoundHooks(cond=self.cond, stop_event=self.stop_event, refuse=self.registry.refuse,
@@ -294,14 +314,37 @@ class RoundLoop:
                         raise RoundFailed(f"{len(task.reported)} of {len(sampled)} sampled silos reported, below "
                                           f"quorum {need}")
                     aggregation_started = time.time()
-                    state, metrics = self.algorithm.finish_round(state, task.sums.result(), task.sums.metrics)
+                    sums = task.sums.result()
+                    if task.updates is not None:
+                        sums, decision = self._robust_sums(state, task)
+                    state, metrics = self.algorithm.finish_round(state, sums, task.sums.metrics)
                 aggregation_seconds = time.time() - aggregation_started
             except RoundFailed as failed:
-                self._round_failed(task, str(failed))
+                failure = str(failed)
+            finally:
+                if task.updates is not None:  # the round's update files go once it is applied or failed
+                    task.updates.delete()
+            if failure is not None:
+                self._round_failed(task, failure)
                 continue
             self._mark_dropped(task)
-            return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private)
+            return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private, decision)
         raise AssertionError("unreachable")
+
+    def _robust_sums(self, state: HubState, task: ActiveTask) -> tuple[dict[str, Any], AggregationRound]:
+        """The sums the algorithm expects, from the round's stored updates under aggregation.rule."""
+        assert task.updates is not None
+        groups = task.plan.groups or {"": list(task.plan.expected)}
+        try:
+            sums, decision = aggregate(task.updates, groups, self.aggregation,
+                                       root=lambda: self.algorithm.trusted_update(state) or {})
+        except AggregationRefused as refused:
+            raise RoundFailed(str(refused)) from None
+        if decision.excluded or decision.down_weighted:
+            log.warning("round %d: aggregation.rule %s excluded %d silos (%s) and down-weighted %d (%s) of %d "
+                        "updates", task.round, decision.rule, decision.excluded, ", ".join(decision.excluded_silos),
+                        decision.down_weighted, ", ".join(decision.down_weighted_silos), decision.updates)
+        return sums, decision
 
     def _mark_dropped(self, task: ActiveTask) -> None:
         """Sampled silos that did not report are not sampled again until they poll again."""
@@ -330,7 +373,8 @@ class RoundLoop:
         self.stop_event.wait(pause)
 
     def _complete_round(self, state: HubState, metrics: dict[str, float], started: float, task: ActiveTask | None,
-                        aggregation_seconds: float | None = None, private: PrivateSums | None = None) -> HubState:
+                        aggregation_seconds: float | None = None, private: PrivateSums | None = None,
+                        decision: AggregationRound | None = None) -> HubState:
         scoring_started = time.time()
         scores = self.records.score(state)
         evaluation_seconds = time.time() - scoring_started if self.records.scores_anything else None
@@ -339,7 +383,7 @@ class RoundLoop:
             aggregation_seconds=aggregation_seconds, evaluation_seconds=evaluation_seconds,
             hub_peak_rss_bytes=self.rss_meter.process_peak(),
             dp=private.dp if private is not None else None, secagg=private.secagg if private is not None else None,
-            algorithm=dict(metrics))
+            aggregation=decision, algorithm=dict(metrics))
         if task is not None:
             record = with_silos(record, task)
         self.records.history.append(record)

@@ -164,6 +164,16 @@ class HubAlgorithm(ABC):
     def served_model(self, state: HubState) -> nn.Module:
         """The model the hub serves and evaluates (eval-ready: static BN statistics in place)."""
 
+    def trusted_update(self, state: HubState) -> dict[str, torch.Tensor] | None:
+        """FLTrust's root of trust (hub.yaml aggregation.rule: fltrust): the hub's own model change this round,
+        trained on its labels from the model the silos received, named as the plan's expected tensors, weight 1.
+        None where the algorithm does not compute one (the config then refuses fltrust)."""
+        return None
+
+    @classmethod
+    def has_trusted_update(cls) -> bool:
+        return cls.trusted_update is not HubAlgorithm.trusted_update
+
 
 class SiloAlgorithm(ABC):
     name: str = ""

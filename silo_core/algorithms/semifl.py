@@ -174,6 +174,13 @@ class SemiFLHub(HubAlgorithm):
     def served_model(self, state: HubState) -> nn.Module:
         return load_model(self.model_spec, state.tensors).eval()
 
+    def trusted_update(self, state: HubState) -> dict[str, torch.Tensor]:
+        """The hub's own round of training on its labels, from the model the silos received: FLTrust's root."""
+        model = load_model(self.model_spec, state.tensors)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self._server_update(model, state.round + 1, self.options.hub_epochs)
+        return weighted_delta(model, start, 1.0)
+
 
 def pseudo_label_metrics(summed: Mapping[str, float]) -> dict[str, float]:
     """Ratio of unlabeled images that passed tau, and (simulation only) how many of those were right."""
