@@ -62,7 +62,7 @@ def test_a_dp_runs_epsilon_and_budget_reach_prometheus_and_the_near_budget_alert
         assert most("silokit_hub_dp_delta") == [1e-5]
         # The shipped rule, evaluated by Prometheus on those scrapes (one evaluation may still be on its way).
         firing = 'ALERTS{alertname="SilokitEpsilonNearBudget", alertstate="firing"}'
-        assert wait_for(lambda: most(firing), 10, "the near-budget alert") == [1.0]
+        assert wait_for(lambda: most(firing), 60, "the near-budget alert") == [1.0]
     finally:
         if sim is not None:
             stop_process_group(sim)
