@@ -240,7 +240,9 @@ def _worker_start() -> multiprocessing.context.BaseContext:
     """How loader workers start: forked from a fork server, a small process started once that has imported this
     module and nothing else, never forked from the hub or silo itself. A fork of the hub copied its running gRPC
     server's polling state, and a worker crashed in gRPC's epoll code (taking the round with it); a fork of either
-    would also inherit its models and buffers. Spawn where there is no fork server (Windows)."""
+    would also inherit its models and buffers. Spawn where there is no fork server (Windows). As with any start
+    method but fork, each worker imports the program's main module again: a script that reads folders lazily keeps
+    its work under ``if __name__ == "__main__":`` (silokit's commands do)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
