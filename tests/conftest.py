@@ -31,6 +31,14 @@ class Processes:
         self.procs.append(proc)
         return proc
 
+    def start_silo(self, silo, port: int, *extra: str, name: str | None = None,
+                   connect_timeout: int = 120) -> subprocess.Popen:
+        """A `silo-client` process for a staged silo (silo_sim.stage.SiloSpec) on one thread, dialling the hub on
+        127.0.0.1:port over mutual TLS with the silo's own bundle; `extra` adds flags."""
+        return self.start(name or silo.name, "-m", "silo_client.cli", "--data", str(silo.data), "--certs",
+                          str(silo.certs), "--hub", f"127.0.0.1:{port}", "--state-dir", str(silo.state_dir),
+                          "--threads", "1", "--connect-timeout", str(connect_timeout), *extra)
+
     def log(self, name: str) -> str:
         path = self.logdir / f"{name}.log"
         return path.read_text() if path.exists() else ""

@@ -58,10 +58,7 @@ def test_resnet18_from_a_weights_file_then_predict_and_export(tmp_path, processe
         },
     )
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
-    silos = [processes.start(s.name, "-m", "silo_client.cli", "--data", str(s.data), "--certs", str(s.certs),
-                             "--hub", f"127.0.0.1:{port}", "--state-dir", str(s.state_dir), "--threads", "1",
-                             "--connect-timeout", "120")
-             for s in staged.silos]
+    silos = [processes.start_silo(s, port) for s in staged.silos]
     assert hub.wait(timeout=240) == 0, processes.log("hub")
     for silo in silos:
         assert silo.wait(timeout=60) == 0, processes.log(silo.name)

@@ -32,9 +32,7 @@ def test_a_silo_with_dicom_files_trains_and_no_header_value_leaves_it(tmp_path, 
     assert sorted(p.suffix for p in silo.data.iterdir()) == [".dcm"] * 25
 
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
-    client = processes.start(silo.name, "-m", "silo_client.cli", "--data", str(silo.data), "--certs",
-                             str(silo.certs), "--hub", f"127.0.0.1:{port}", "--state-dir", str(silo.state_dir),
-                             "--sim-labels", str(silo.labels), "--threads", "1", "--connect-timeout", "60")
+    client = processes.start_silo(silo, port, "--sim-labels", str(silo.labels), connect_timeout=60)
     assert hub.wait(timeout=180) == 0, processes.log("hub")
     assert client.wait(timeout=60) == 0, processes.log(silo.name)
 

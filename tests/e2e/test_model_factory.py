@@ -25,18 +25,13 @@ def test_a_factory_run_over_mtls_trains_only_at_silos_that_named_the_factory(tmp
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
     trusting, other = staged.silos
 
-    def silo(spec, *extra):
-        return processes.start(spec.name, "-m", "silo_client.cli", "--data", str(spec.data), "--certs",
-                               str(spec.certs), "--hub", f"127.0.0.1:{port}", "--state-dir", str(spec.state_dir),
-                               "--threads", "1", "--connect-timeout", "120", *extra)
-
-    refusing = silo(other)
+    refusing = processes.start_silo(other, port)
     assert refusing.wait(timeout=120) == 2, processes.log(other.name)
     error = [line for line in processes.log(other.name).splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and f"restart with --model-factory {TINY}" in error[0]
     assert "loaded" not in processes.log(other.name)  # refused before reading its images
 
-    training = silo(trusting, "--model-factory", TINY)
+    training = processes.start_silo(trusting, port, "--model-factory", TINY)
     assert training.wait(timeout=180) == 0, processes.log(trusting.name)
     assert hub.wait(timeout=60) == 0, processes.log("hub")
     card = json.loads((staged.hub_state_dir / "model_card.json").read_text())

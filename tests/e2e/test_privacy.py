@@ -40,9 +40,7 @@ def test_secure_aggregation_and_dp_over_the_wire_with_a_silo_killed_mid_round(tm
     )
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
     silos = {
-        s.name: processes.start(s.name, "-m", "silo_client.cli", "--data", str(s.data), "--certs", str(s.certs),
-                                "--hub", f"127.0.0.1:{port}", "--state-dir", str(s.state_dir), "--threads", "1",
-                                "--connect-timeout", "120")
+        s.name: processes.start_silo(s, port)
         for s in staged.silos
     }
     # Deterministic mid-protocol loss: freeze the first silo to join, so round 1's training phase cannot end;
@@ -58,9 +56,7 @@ def test_secure_aggregation_and_dp_over_the_wire_with_a_silo_killed_mid_round(tm
     # once round 1 is applied without it, its operator restarts it (rounds.min_silos is 4)
     wait_for(lambda: len(history(staged)) >= 1 or hub.poll() is not None, 240, "round 1")
     again = next(s for s in staged.silos if s.name == victim)
-    silos[victim] = processes.start(victim + "-restarted", "-m", "silo_client.cli", "--data", str(again.data),
-                                    "--certs", str(again.certs), "--hub", f"127.0.0.1:{port}", "--state-dir",
-                                    str(again.state_dir), "--threads", "1", "--connect-timeout", "120")
+    silos[victim] = processes.start_silo(again, port, name=victim + "-restarted")
 
     assert hub.wait(timeout=300) == 0, processes.log("hub")
     log = processes.log("hub")

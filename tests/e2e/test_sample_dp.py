@@ -33,9 +33,7 @@ def test_silos_train_with_dp_sgd_report_epsilon_and_stop_at_their_budget(tmp_pat
         },
     )
     hub = processes.start("hub", "-m", "silo_server.cli", "--config", str(staged.hub_config))
-    silos = [processes.start(s.name, "-m", "silo_client.cli", "--data", str(s.data), "--certs", str(s.certs),
-                             "--hub", f"127.0.0.1:{port}", "--state-dir", str(s.state_dir), "--threads", "1",
-                             "--connect-timeout", "120")
+    silos = [processes.start_silo(s, port)
              for s in staged.silos]
     assert hub.wait(timeout=300) == 0, processes.log("hub")
     rounds = json.loads((staged.hub_state_dir / "history.json").read_text())["rounds"]
