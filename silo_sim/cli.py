@@ -87,7 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out labeled validation images per class at the hub: the hub scores every round on "
                         "them and keeps the best round's model (best_model.safetensors); staged with 20 per class "
                         "for algorithms that need one (FedSEAL's thresholds) even when not given")
-    p.add_argument("--workers", type=int, help="silo host processes (default: one per CPU core, at most --silos)")
+    p.add_argument("--workers", type=int,
+                   help="silo hosts: worker processes, or Ray actors with --engine ray (default: one per CPU core, "
+                        "with --engine ray as many as the cluster holds at --silo-cpus/--silo-gpus; at most --silos)")
+    p.add_argument("--engine", choices=["workers", "ray"], default="workers",
+                   help="what hosts the silos: worker processes on this machine (default) or Ray actors (the ray "
+                        'extra: pip install -e ".[ray]"); the hub is a local process either way')
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="with --engine ray: join this Ray cluster (e.g. 127.0.0.1:6379) instead of starting and "
+                        "stopping a local Ray")
+    p.add_argument("--silo-cpus", type=float, metavar="N",
+                   help="with --engine ray: CPUs each silo host actor requests, the share of one silo at work "
+                        "(fractions allowed; default 1)")
+    p.add_argument("--silo-gpus", type=float, metavar="N",
+                   help="with --engine ray: GPUs each silo host actor requests (fractions allowed; default 0)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
     p.add_argument("--hub-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -205,7 +218,8 @@ def _read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
 
 
 def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], float]:
-    """Start the hub and the silo workers as real processes; follow progress; return (rc, history, seconds)."""
+    """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes;
+    follow progress; return (rc, history, seconds)."""
     cores = os.cpu_count() or 2
     workers = max(1, min(args.workers or cores, len(staged.silos)))
     logs = staged.root / "logs"
@@ -217,7 +231,16 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
     hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config)],
                            stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
     procs = [hub]
+    ray_hosts = None
     try:
+        if getattr(args, "engine", "workers") == "ray" and workers:
+            from silo_sim.ray_engine import RaySiloHosts, actor_count
+
+            # Ray starts while the hub trains on its labels; the cluster's size decides how many hosts.
+            ray_hosts = RaySiloHosts(logs, 1.0 if args.silo_cpus is None else args.silo_cpus, args.silo_gpus or 0.0,
+                                     args.ray_address)
+            workers = actor_count(ray_hosts.connect(), len(staged.silos), ray_hosts.silo_cpus, ray_hosts.silo_gpus,
+                                  args.workers)
         port_file = staged.hub_state_dir / "port"
         while not port_file.exists():
             if hub.poll() is not None:
@@ -225,7 +248,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                                    + (logs / "hub.log").read_text()[-2000:])
             time.sleep(0.2)
         hub_address = f"127.0.0.1:{port_file.read_text().strip()}"
-        metrics_files = []
+        metrics_files, ray_specs = [], []
         for w in range(workers):
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")
             metrics_files[-1].unlink(missing_ok=True)
@@ -239,9 +262,15 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
             }
             spec_path = staged.root / f"worker-{w}.json"
             spec_path.write_text(json.dumps(spec))
+            if ray_hosts is not None:
+                ray_specs.append(spec)
+                continue
             procs.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path)],
                                           stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT, env=env))
-        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs)
+        if ray_hosts is not None:
+            ray_hosts.start(ray_specs)
+        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs,
+                                                check=ray_hosts.check_started if ray_hosts else None)
         if getattr(args, "prometheus_targets", None):
             write_prometheus_targets(args.prometheus_targets, metrics_ports)
         history_path = staged.hub_state_dir / "history.json"
@@ -255,6 +284,9 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                     progress.update(bar, completed=last.round, description=(
                         f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
                         f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
+                if ray_hosts is not None:  # a dead actor is reported and, while rounds are left, replaced
+                    for line in ray_hosts.check(rounds_left=len(history) < rounds):
+                        progress.console.print(f"[yellow]{line}")
                 time.sleep(0.5)
             progress.update(bar, completed=len(_read_history(history_path)[0]))
         rc = hub.wait()
@@ -263,20 +295,27 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        if ray_hosts is not None:
+            ray_hosts.wait(30)
         if rc != 0:
             tail = (logs / "hub.log").read_text()[-3000:]
             raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
         return rc, _read_history(history_path)[0], time.time() - started
     finally:
         _terminate(procs)
+        if ray_hosts is not None:
+            ray_hosts.close()
 
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
-                            timeout: float = 120.0) -> dict[str, Any]:
-    """The /metrics ports of the hub and of every worker, once each has written it."""
+                            timeout: float = 120.0, check=None) -> dict[str, Any]:
+    """The /metrics ports of the hub and of every worker, once each has written it. `check` raises when a silo
+    host that is not one of `procs` (a Ray actor) failed."""
     hub_file = staged.hub_state_dir / "metrics_port"
     end = time.time() + timeout
     while not all(f.exists() and f.read_text().strip() for f in worker_files):
+        if check is not None:
+            check()
         for i, p in enumerate(procs[1:]):
             if p.poll() is not None:
                 raise RuntimeError(f"silo worker {i} exited before serving metrics; see {logs / f'worker-{i}.log'}")
@@ -399,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--silos must be at least 1")
         if args.labeled_silos < 0 or args.labeled_silos > args.silos:
             raise ValueError("--labeled-silos must be between 0 and --silos")
+        from silo_sim.ray_engine import check_engine_args  # imports Ray only for --engine ray
+
+        check_engine_args(args)
         options = {**DEMO_OPTIONS.get(args.algorithm, {}), **parse_options(args.option)}
         entry.options.model_validate(options)  # a bad --option fails here, with its name
         cores = os.cpu_count() or 2

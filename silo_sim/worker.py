@@ -1,10 +1,13 @@
-"""A worker process hosting several simulated silos, each with its own certificate, data, state and gRPC channel.
+"""A silo host: several simulated silos in one process, each with its own certificate, data, state and gRPC channel.
 
-Silos in one worker take turns: each waits for its tasks on its own thread and mutual-TLS connection, and all of
+Silos in one host take turns: each waits for its tasks on its own thread and mutual-TLS connection, and all of
 them load, train and upload on one shared thread, one job at a time (see SiloClient: one OpenMP thread team per
-process), so a small pool of workers can host a hundred silos on a two-core machine.
+process), so a small pool of hosts can host a hundred silos on a two-core machine.
 
-With `metrics_port` in the spec the worker serves ONE /metrics endpoint for all its silos, one series per silo
+`host_silos` is the host; two engines run it: this module's entry point as a worker process (silo-sim's default)
+and silo_sim/ray_engine.py's Ray actor (`silo-sim --engine ray`).
+
+With `metrics_port` in the spec the host serves ONE /metrics endpoint for all its silos, one series per silo
 (label `silo`), and writes the port it got to `metrics_port_file`.
 """
 
@@ -18,18 +21,16 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="silo_sim.worker")
-    p.add_argument("--spec", required=True, type=Path)
-    args = p.parse_args(argv)
-    spec = json.loads(args.spec.read_text())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
+def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
+    """Run every silo of `spec` until the hub says the run is done (or `stop` is set); returns each silo's exit
+    code by name (0: done). Installs no signal handler, so that it also runs off the main thread (a Ray actor)."""
     import torch
 
-    torch.set_num_threads(int(spec.get("threads", 1)))
+    threads = int(spec.get("threads", 1))
+    torch.set_num_threads(threads)
     from silo_client.client import SiloClient, SiloSettings
     from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 
@@ -38,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     if spec.get("metrics_port") is not None:
         server = families.serve(spec.get("metrics_host", "127.0.0.1"), int(spec["metrics_port"]))
         Path(spec["metrics_port_file"]).write_text(str(server.port))
-    stop = threading.Event()
-    work_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="silo-work")
+    # The work thread gets the same thread count whichever thread called us (a process's main thread or an actor's).
+    work_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="silo-work",
+                                                        initializer=torch.set_num_threads, initargs=(threads,))
 
     def run_work(work, *args):
         return work_thread.submit(work, *args).result()
 
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     results: dict[str, int] = {}
 
     def host(entry: dict) -> None:
@@ -66,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             if client is not None:
                 client.close()
 
-    threads = [threading.Thread(target=host, args=(e,), name=e["name"], daemon=True) for e in spec["silos"]]
-    for t in threads:
+    threads_per_silo = [threading.Thread(target=host, args=(e,), name=e["name"], daemon=True) for e in spec["silos"]]
+    for t in threads_per_silo:
         t.start()
-    for t in threads:
+    for t in threads_per_silo:
         while t.is_alive():
             t.join(timeout=0.5)
     work_thread.shutdown(wait=False, cancel_futures=True)
@@ -78,11 +79,23 @@ def main(argv: list[str] | None = None) -> int:
         # (a short run can end before discovery) and for a few scrapes, so that rates over the end have samples.
         watched = bool(spec.get("watched"))
         for _ in range(3 if watched else 1):
-            if not server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)), watched=watched):
+            if stop.is_set() or not server.wait_for_scrape(float(spec.get("metrics_final_scrape_s", 30)),
+                                                           watched=watched):
                 break
         server.close()
-    failed = sorted(n for n, rc in results.items() if rc != 0)
-    return 1 if failed else 0
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="silo_sim.worker")
+    p.add_argument("--spec", required=True, type=Path)
+    args = p.parse_args(argv)
+    spec = json.loads(args.spec.read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    results = host_silos(spec, stop)
+    return 1 if any(rc != 0 for rc in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,267 @@
+"""`silo-sim --engine ray`: the silo hosts as Ray actors instead of worker processes.
+
+Each actor runs silo_sim.worker.host_silos on a share of the silos, exactly as a worker process does: every silo
+keeps its own identity, certificate, data shard, state folder and mutual-TLS connection to the hub, so the wire is
+exercised as with the worker pool. What Ray adds is placement and supervision:
+
+- an actor requests the resources of ONE silo at work (--silo-cpus, --silo-gpus; fractions allowed), because its
+  silos take turns on one work thread; the number of actors is what the cluster's CPUs (and GPUs, when asked for)
+  allow at that request, capped at --silos, unless --workers says how many;
+- an actor that dies (its process killed, its node lost) is reported with the silos it hosted, and while the hub
+  has rounds left a new actor takes over those silos: they join again with their certificates and state folders,
+  like a branch that restarted.
+
+Ray is imported here only, and only when this engine is chosen, so silo-sim without the `ray` extra never loads it.
+Only plain JSON-like specs and exit codes pass between the driver and the actors (Ray pickles them between our own
+processes; nothing from the hub or a silo's data travels that way).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("silo_sim.ray")
+
+INSTALL_HINT = 'the Ray engine needs Ray: pip install -e ".[ray]"'
+ACTORS_FILE = "ray-actors.json"  # under the sim's logs/: each actor's pid and silos, for operators (and tests)
+
+
+class RayMissing(RuntimeError):
+    """--engine ray where Ray is not installed."""
+
+
+def import_ray():
+    """Ray, or RayMissing saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing(INSTALL_HINT) from None
+    return ray
+
+
+class SiloHost:
+    """The body of a silo host actor: host_silos on a spec, stoppable from another call (hence two concurrent
+    calls per actor: run and stop)."""
+
+    def __init__(self, log_path: str):
+        self.stop_event = threading.Event()
+        # The actor's log goes to the sim's logs/ folder, beside the hub's, not into Ray's session folder.
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, spec: dict[str, Any]) -> dict[str, int]:
+        from silo_sim.worker import host_silos
+
+        return host_silos(spec, self.stop_event)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+
+def actor_count(resources: dict[str, float], silos: int, silo_cpus: float, silo_gpus: float,
+                workers: int | None) -> int:
+    """How many silo host actors: --workers when given, else as many as the cluster's CPUs (and GPUs, when each
+    silo asks for some) hold at one silo's request each; never more than the silos, never fewer than one."""
+    if workers:
+        return max(1, min(workers, silos))
+    fits = [resources.get("CPU", 0.0) / silo_cpus] if silo_cpus > 0 else []
+    if silo_gpus > 0:
+        fits.append(resources.get("GPU", 0.0) / silo_gpus)
+    count = int(min(fits) + 1e-9) if fits else silos
+    return max(1, min(count, silos))
+
+
+def check_engine_args(args) -> None:
+    """The Ray engine's flags, checked before anything is staged: each bad one named with what to do."""
+    if args.engine != "ray":
+        given = [flag for flag, value in (("--ray-address", args.ray_address), ("--silo-cpus", args.silo_cpus),
+                                          ("--silo-gpus", args.silo_gpus)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to Ray actors: add --engine ray")
+        return
+    import_ray()
+    cpus, gpus = args.silo_cpus, args.silo_gpus
+    if (cpus is not None and cpus < 0) or (gpus is not None and gpus < 0):
+        raise ValueError("--silo-cpus and --silo-gpus must be 0 or more")
+    if cpus == 0 and not gpus:
+        raise ValueError("--silo-cpus 0 with no --silo-gpus would request nothing: give each silo host a CPU or "
+                         "GPU share")
+
+
+@dataclass
+class HostedShare:
+    """One actor's share of the silos and what became of it."""
+    index: int
+    spec: dict[str, Any]
+    actor: Any = None
+    run_ref: Any = None
+    pid: int | None = None
+    restarts: int = 0
+    results: dict[str, int] | None = None  # once its run() returned
+    dead: bool = False  # died with no replacement
+
+    @property
+    def silo_names(self) -> list[str]:
+        return [s["name"] for s in self.spec["silos"]]
+
+
+@dataclass
+class RaySiloHosts:
+    """The silo host actors of one simulation run: start them, watch them, replace the dead, stop them."""
+    logs: Path
+    silo_cpus: float = 1.0
+    silo_gpus: float = 0.0
+    address: str | None = None  # None: start a local Ray and stop it at the end
+    max_restarts: int = 3  # per share: an actor that keeps dying is a bug to read in its log, not to retry forever
+    shares: list[HostedShare] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # deaths and replacements, as reported
+    _ray: Any = None
+    _temp_dir: str | None = None
+
+    def connect(self) -> dict[str, float]:
+        """Join the cluster at `address`, or start a local one sized to this machine; returns its resources."""
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report: the sim makes no outside call
+        ray = self._ray = import_ray()
+        # A local Ray turns its token authentication on by default and says so at every start: keep it on, quietly.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING,
+                 "configure_logging": True}
+        if self.address:
+            ray.init(address=self.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        else:
+            # A short temp dir of our own (Ray's sockets live there and their paths have a length limit), removed
+            # at the end; the node on loopback only.
+            self._temp_dir = tempfile.mkdtemp(prefix="silo-ray-")
+            ray.init(num_cpus=os.cpu_count() or 1, _temp_dir=self._temp_dir, _node_ip_address="127.0.0.1",
+                     **quiet)  # GPUs: Ray counts this machine's own
+        return dict(ray.cluster_resources())
+
+    def start(self, specs: list[dict[str, Any]]) -> None:
+        self.shares = [HostedShare(i, spec) for i, spec in enumerate(specs)]
+        for share in self.shares:
+            self._launch(share)
+        pids = self._ray.get([s.actor.pid.remote() for s in self.shares])
+        for share, pid in zip(self.shares, pids, strict=True):
+            share.pid = pid
+        self._write_actors_file()
+
+    def _launch(self, share: HostedShare) -> None:
+        ray = self._ray
+        actor_class = ray.remote(SiloHost)
+        share.actor = actor_class.options(num_cpus=self.silo_cpus, num_gpus=self.silo_gpus, max_concurrency=2).remote(str(self.logs / f"actor-{share.index}.log"))
+        share.run_ref = share.actor.run.remote(share.spec)
+
+    def _write_actors_file(self) -> None:
+        actors = [{"actor": s.index, "pid": s.pid, "restarts": s.restarts, "silos": s.silo_names,
+                   "metrics_port_file": s.spec.get("metrics_port_file")} for s in self.shares]
+        tmp = self.logs / f".{ACTORS_FILE}.tmp"
+        tmp.write_text(json.dumps({"ray_temp_dir": self._temp_dir, "actors": actors, "events": self.events},
+                                  indent=1))
+        tmp.replace(self.logs / ACTORS_FILE)
+
+    def check(self, rounds_left: bool) -> list[str]:
+        """Collect finished actors; report a dead one and, while the run has rounds left, replace it. Returns the
+        lines reported this time (also kept in `events` and logged)."""
+        ray = self._ray
+        reported = []
+        running = [s for s in self.shares if s.results is None and not s.dead]
+        if not running:
+            return reported
+        ready, _ = ray.wait([s.run_ref for s in running], num_returns=len(running), timeout=0)
+        for share in running:
+            if share.run_ref not in ready:
+                continue
+            try:
+                share.results = ray.get(share.run_ref)
+            except ray.exceptions.RayActorError as err:  # the process is gone: a host to replace
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                line = (f"silo host actor {share.index} (pid {share.pid}) died, hosting "
+                        f"{', '.join(share.silo_names)}: {reason}")
+                if rounds_left and share.restarts < self.max_restarts:
+                    share.restarts += 1
+                    if share.spec.get("metrics_port_file"):
+                        Path(share.spec["metrics_port_file"]).unlink(missing_ok=True)
+                    self._launch(share)
+                    share.pid = ray.get(share.actor.pid.remote())
+                    line += f"; started a new actor (pid {share.pid}) for them, restart {share.restarts}"
+                else:
+                    share.dead = True
+                    line += ("; not replaced: " + ("the run has no rounds left" if not rounds_left
+                                                   else f"it died {share.restarts + 1} times"))
+                log.warning("%s", line)
+                self.events.append(line)
+                self._write_actors_file()
+                reported.append(line)
+            except ray.exceptions.RayError as err:  # host_silos itself raised: a bug, not a lost host
+                share.dead = True
+                line = (f"silo host actor {share.index} failed, hosting {', '.join(share.silo_names)}: "
+                        f"{str(err).strip().splitlines()[-1]}; see {self.logs / f'actor-{share.index}.log'}")
+                log.error("%s", line)
+                self.events.append(line)
+                self._write_actors_file()
+                reported.append(line)
+        return reported
+
+    def check_started(self) -> None:
+        """While waiting for the hosts to come up: raise if one failed (a dead one is replaced as in a run)."""
+        self.check(rounds_left=True)
+        failed = [s for s in self.shares if s.dead or s.results is not None]
+        if failed:
+            raise RuntimeError(f"silo host actor {failed[0].index} stopped before serving its silos; see "
+                               f"{self.logs / f'actor-{failed[0].index}.log'}")
+
+    def alive(self) -> bool:
+        """Whether any actor is still hosting silos."""
+        return any(s.results is None and not s.dead for s in self.shares)
+
+    def failed_silos(self) -> list[str]:
+        return sorted(name for s in self.shares for name, rc in (s.results or {}).items() if rc != 0)
+
+    def wait(self, timeout: float) -> None:
+        """Give the actors up to `timeout` seconds to finish on their own (their silos were told the run is done)."""
+        end = time.time() + timeout
+        while self.alive() and time.time() < end:
+            self.check(rounds_left=False)
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop every actor (politely, then for good) and leave Ray: stop the local Ray we started, or only
+        disconnect from a cluster we joined."""
+        ray = self._ray
+        if ray is None:
+            return
+        try:
+            live = [s for s in self.shares if s.actor is not None]
+            for share in live:
+                try:
+                    share.actor.stop.remote()
+                except Exception:  # already dead
+                    pass
+            refs = [s.run_ref for s in live if s.results is None and not s.dead]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            for share in live:
+                try:
+                    ray.kill(share.actor, no_restart=True)
+                except Exception:
+                    pass
+        finally:
+            ray.shutdown()
+            if self._temp_dir:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)
+
