@@ -207,7 +207,7 @@ class RoundRecord:
     silos_reported: int | None = None  # reported a result or a skip (and did not abort afterwards)
     silos_skipped: int | None = None  # reported that nothing passed their threshold
     silos_dropped: int | None = None  # sampled but did not report
-    silos_contributed: int | None = None  # whose update is in the sums (the in-process runner)
+    silos_contributed: int | None = None  # reported an update, not a skip, and stayed in the round
     attempt: int | None = None  # >1 after below-quorum retries
     bytes_up: int | None = None
     bytes_down: int | None = None

@@ -183,20 +183,7 @@ class TaskIntake:
                                            "the round closed during the upload")
             if silo_id in t.reported:
                 raise self.registry.refuse(silo_id, "ALREADY_EXISTS", "duplicate", "duplicate upload")
-            if stored is not None:
-                t.updates.keep(silo_id, stored)
-                t.sums.add_metrics(metrics, contributed=True)
-            else:
-                t.sums.add(tensors, metrics)
-            t.reported.add(silo_id)
-            if skipped:
-                t.skipped.add(silo_id)
-            else:
-                self.registry.credit(silo_id)
-            t.bytes_up += total
-            self.registry.count("received_bytes", total)
-            self.registry.count("accepted_skips" if skipped else "accepted_updates")
-            self.cond.notify_all()
+            self.rounds.accept_result(silo_id, t, tensors, metrics, skipped, total, stored)
 
     def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
         """A secure-aggregation stage message (silo_server/privacy.py checks it against the session). A message the

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
@@ -99,14 +99,38 @@ class RssMeter:
         return max(self._earlier_peak, self.peak() or 0, usage_peak)
 
 
+class Transport(Protocol):
+    """How a round's task reaches its sampled silos and their results come back: `collect` returns once every
+    sampled silo has reported or is known gone, or the task's deadline has passed, having handed each result to
+    RoundLoop.accept_result. The deployed hub waits for gRPC calls (SiloCalls); silo_sim/inprocess.py runs the
+    silos' halves in this process. Everything else in a round is the same loop."""
+
+    def collect(self, loop: RoundLoop, task: ActiveTask) -> None: ...
+
+
+class SiloCalls:
+    """The deployed hub's transport: silos fetch the open task, download and upload through gRPC calls
+    (silo_server/intake.py), which hand their results in; the loop only waits for them."""
+
+    def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
+        with loop.cond:
+            # Until every sampled silo reported or is known gone (revoked, aborted), or the deadline.
+            while not task.sampled <= task.reported | task.gone and time.time() < task.deadline:
+                if loop.stop_event.is_set():
+                    raise InterruptedError("hub stopping")
+                loop.cond.wait(timeout=0.5)
+                loop.check_revocations()
+
+
 class RoundLoop:
     def __init__(self, algorithm: HubAlgorithm, settings: RoundSettings, registry: SiloRegistry,
                  records: RunRecords, *, stop_event: threading.Event, privacy: HubPrivacy | None = None,
                  half_precision: bool = False, max_update_norm: float | None = None,
                  round_hyperparameters: dict[str, Any] | None = None,
                  on_round: Callable[[RoundRecord], None] | None = None,
-                 aggregation: AggregationSection | None = None):
+                 aggregation: AggregationSection | None = None, transport: Transport | None = None):
         self.algorithm = algorithm
+        self.transport = transport or SiloCalls()
         self.settings = settings
         self.sampling = Sampling(settings.silos_per_round, settings.silos_per_round_count, settings.seed)
         self.registry = registry
@@ -182,6 +206,26 @@ class RoundLoop:
         for silo_id in sorted(self.task.sampled - self.task.gone):
             if self.registry.revoked(silo_id):
                 self.evict(silo_id)
+
+    # ------------------------------------------------------------------ results coming in
+    def accept_result(self, silo_id: str, task: ActiveTask, tensors: dict[str, Any], metrics: dict[str, float],
+                      skipped: bool, total_bytes: int = 0, stored: Any = None) -> None:
+        """A sampled silo's whole, validated result joins the round: summed (mean), or kept as its stored file
+        (`stored`, under a robust rule). Call under the lock, after checking the task is still open."""
+        if stored is not None:
+            task.updates.keep(silo_id, stored)
+            task.sums.add_metrics(metrics, contributed=True)
+        else:
+            task.sums.add(tensors, metrics)
+        task.reported.add(silo_id)
+        if skipped:
+            task.skipped.add(silo_id)
+        else:
+            self.registry.credit(silo_id)
+        task.bytes_up += total_bytes
+        self.registry.count("received_bytes", total_bytes)
+        self.registry.count("accepted_skips" if skipped else "accepted_updates")
+        self.cond.notify_all()
 
     # ------------------------------------------------------------------ the loop
     def set_phase(self, phase: str) -> None:
@@ -290,12 +334,8 @@ class RoundLoop:
             with self.cond:
                 self.task, self.round, self.phase = task, r, "training"
                 self.cond.notify_all()
-                # Until every sampled silo reported or is known gone (revoked, aborted), or the deadline.
-                while not sampled <= task.reported | task.gone and time.time() < task.deadline:
-                    if self.stop_event.is_set():
-                        raise InterruptedError("hub stopping")
-                    self.cond.wait(timeout=0.5)
-                    self.check_revocations()
+            self.transport.collect(self, task)
+            with self.cond:
                 task.open = False
                 self.phase = "aggregating"
             task.rss_peak_collecting = self.rss_meter.peak()
@@ -405,7 +445,8 @@ def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
     sums = task.sums
     return replace(
         record, silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
-        silos_dropped=len(task.sampled) - reporters, attempt=task.attempt, bytes_up=task.bytes_up,
+        silos_dropped=len(task.sampled) - reporters, silos_contributed=len(task.reported - task.gone - task.skipped),
+        attempt=task.attempt, bytes_up=task.bytes_up,
         bytes_down=task.bytes_down,
         silo_train_loss=sums.metrics["train_loss"] / sums.contributors
         if reporters and "train_loss" in sums.metrics and sums.contributors else None,

@@ -1,28 +1,72 @@
 """Run an algorithm's hub and silo halves in one process, without the wire: the benchmark's fast path.
 
-The objects are the very ones the deployment runs behind gRPC; only transport is skipped, so the numbers carry over.
+The hub side is the deployed hub's own round loop (silo_server/round_loop.py: sampling, weight caps, robust
+aggregation, scoring, records, checkpoints); only the transport differs (InProcessSilos instead of gRPC calls),
+so the numbers carry over.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from security import validation
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
-from silo_core.rounds import RoundRecord, Sampling, Scores
+from silo_core.rounds import RoundRecord
 from silo_core.training import evaluate as evaluate_model
-from silo_server.aggregate import RunningSum
+from silo_server.registry import ChangeCondition, SiloRegistry
+from silo_server.robust import AggregationSection
+from silo_server.round_loop import ActiveTask, RoundLoop
+from silo_server.scoring import RunRecords
+from silo_server.settings import RoundSettings
+
+
+class InProcessSilos:
+    """The round loop's transport when the silos live in this process (silo_server/round_loop.py Transport): each
+    sampled silo runs its algorithm half on the round's plan, as a silo-client would on what it downloaded, and its
+    result goes through the hub's checks (exact tensors, finite, weight within the round's cap) into the round.
+    No silo drops out and no deadline applies: a round waits for every sampled silo."""
+
+    def __init__(self, silo: SiloAlgorithm | None, silos: dict[str, SiloData]):
+        self.silo = silo
+        self.silos = silos
+
+    def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
+        if self.silo is None:
+            raise ValueError(f"algorithm {loop.algorithm.name!r} needs silos, but no silo half was given")
+        # What a silo-client builds from the task it fetched: the hyperparameters as the wire carries them (JSON).
+        plan = replace(task.plan, hyperparameters=json.loads(task.hyperparameters_json))
+        for name in sorted(task.sampled):
+            if loop.stop_event.is_set():
+                raise InterruptedError("stopping")
+            started = time.time()
+            result = self.silo.local_update(plan, self.silos[name])
+            metrics = {**result.metrics, "train_seconds": time.time() - started}
+            tensors = {} if result.skipped else dict(result.tensors)
+            if tensors:
+                validation.check_update(tensors, task.expected, None, None, task.plan.groups,
+                                        unit_weight=task.plan.unit_weight)
+                if not task.plan.unit_weight:
+                    validation.cap_weight(tensors, task.weight_caps.get(name, math.inf),
+                                          validation.weight_prefixes(tensors))
+            stored = task.updates.write(tensors) if task.updates is not None and tensors else None
+            with loop.cond:
+                loop.accept_result(name, task, tensors, metrics, result.skipped, stored=stored)
 
 
 def run_inprocess(
@@ -37,58 +81,40 @@ def run_inprocess(
     round_hyperparameters: dict[str, Any] | None = None,
     validate: Callable[[HubState], dict[str, float]] | None = None,
     silos_per_round_count: int | None = None,
+    aggregation: AggregationSection | None = None,
+    state_dir: Path | None = None,
 ) -> tuple[HubState, list[RoundRecord]]:
-    """`round_hyperparameters` are added to every plan, as the hub core adds them (privacy.sample_dp); `validate`
-    and `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*).
+    """Run `rounds` rounds of the deployed hub's round loop (silo_server/round_loop.py: sampling, weight caps,
+    aggregation under hub.yaml's `aggregation` rule, scoring, records, checkpoints) with the silos in this process
+    (InProcessSilos) instead of behind gRPC.
+
+    `round_hyperparameters` are added to every plan, as the hub adds them (privacy.sample_dp); `validate` and
+    `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*).
     Each round samples the fraction `silos_per_round` of the silos, or `silos_per_round_count` of them when given
-    (hub.yaml's rounds.silos_per_round and rounds.silos_per_round_count)."""
+    (hub.yaml's rounds.silos_per_round and rounds.silos_per_round_count). Checkpoints and history.json go to
+    `state_dir` (default: a temporary folder, removed after the run)."""
     if not 0 < silos_per_round <= 1:
         raise ValueError(f"silos_per_round is a fraction in (0, 1], got {silos_per_round}; for a number of silos "
                          "pass silos_per_round_count")
-    state = hub.init_state()
-    history: list[RoundRecord] = []
-    # The deployed hub's draw (Sampling): the same seed and silo names sample the same silos in every round.
-    sampling = Sampling(silos_per_round, silos_per_round_count, seed)
     by_name = {data.silo_id or f"silo-{i:03d}": data for i, data in enumerate(silos)}
     if len(by_name) != len(silos):
         raise ValueError("every silo needs its own silo_id: they seed the silos' randomness and the sampling")
-    for _ in range(rounds):
-        started = time.time()
-        plan = hub.begin_round(state)
-        plan.hyperparameters.update(round_hyperparameters or {})
-        sums = RunningSum()
-        sampled: list[SiloData] = []
-        silo_seconds, skipped = 0.0, 0
-        if hub.needs_silos and silo is not None and silos:
-            sampled = [by_name[name] for name in sampling.sample(list(by_name), state.round + 1)]
-            for data in sampled:
-                silo_started = time.time()
-                result = silo.local_update(plan, data)
-                silo_seconds += time.time() - silo_started
-                skipped += result.skipped
-                sums.add({} if result.skipped else result.tensors, result.metrics)
-        aggregation_started = time.time()
-        state, metrics = hub.finish_round(state, sums.result(), sums.metrics)
-        aggregation_seconds = time.time() - aggregation_started
-        # The same record and timings as the deployment's hub (aggregation_seconds, evaluation_seconds,
-        # silo_train_seconds: a silo's mean), so that the two can be compared phase by phase. Every sampled silo
-        # reports here: none drops out.
-        scoring_started = time.time()
-        validation = validate(state) if validate is not None else None
-        test = evaluate(state) if evaluate is not None else None
-        record = RoundRecord(
-            round=state.round, scores=Scores.measured(test=test, validation=validation),
-            silos_sampled=len(sampled), silos_reported=len(sampled), silos_skipped=skipped, silos_dropped=0,
-            silos_contributed=sums.contributors, aggregation_seconds=aggregation_seconds,
-            evaluation_seconds=time.time() - scoring_started if validate is not None or evaluate is not None else None,
-            silo_train_seconds=silo_seconds / len(sampled) if sampled else None,
-            silo_train_loss=sums.metrics["train_loss"] / sums.contributors
-            if "train_loss" in sums.metrics and sums.contributors else None,
-            round_seconds=time.time() - started, algorithm=dict(metrics))
-        history.append(record)
-        if on_round is not None:
-            on_round(record)
-    return state, history
+    if hub.needs_silos and not silos:
+        raise ValueError(f"algorithm {hub.name!r} needs silos: pass at least one")
+    with tempfile.TemporaryDirectory(prefix="silokit-inprocess-") as scratch:
+        cond = ChangeCondition()
+        registry = SiloRegistry(cond, liveness_s=math.inf)  # silos in this process never go quiet
+        for name, data in by_name.items():
+            unlabeled = int(data.images.shape[0]) if data.images is not None else 0
+            registry.join(name, unlabeled, data.num_labeled, "cpu")
+        loop = RoundLoop(
+            hub, RoundSettings(total_rounds=rounds, silos_per_round=silos_per_round,
+                               silos_per_round_count=silos_per_round_count, quorum=1.0, seed=seed),
+            registry, RunRecords(state_dir or Path(scratch), evaluate=evaluate, validate=validate),
+            stop_event=threading.Event(), round_hyperparameters=round_hyperparameters, on_round=on_round,
+            aggregation=aggregation, transport=InProcessSilos(silo, by_name))
+        state = loop.run()
+        return state, list(loop.records.history)
 
 
 def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int = 0,

@@ -3,8 +3,10 @@ names sample the same silos, round after round, in both."""
 
 from __future__ import annotations
 
+import json
 import threading
 
+import pytest
 import torch
 
 from silo_core.algorithms.base import SiloAlgorithm, SiloData, SiloResult
@@ -37,7 +39,7 @@ def hub_rounds(tmp_path, seed: int, rounds: int, **sampling) -> list[list[str]]:
     state = hub.resume_or_init()
     for _ in range(rounds):
         out: dict = {}
-        thread = threading.Thread(target=lambda s=state: out.setdefault("state", hub.run_round(s)), daemon=True)
+        thread = threading.Thread(target=lambda s=state, o=out: o.setdefault("state", hub.run_round(s)), daemon=True)
         thread.start()
         tasks = {}
         while hub.task is None or hub.task.round != state.round + 1:
@@ -73,3 +75,43 @@ def test_a_draw_depends_on_the_names_the_round_and_the_attempt_not_the_order() -
     assert sampling.sample(NAMES, 1, attempt=2) != first or sampling.sample(NAMES, 2) != first
     assert len(sampling.sample(NAMES, 1, at_least=6)) == 6  # secure aggregation's fewest
     assert Sampling(count=20).sample(NAMES, 1) == NAMES
+
+
+class ValueSilo(SiloAlgorithm):
+    """Sends the vector its silo's name gives it, weighted by its images (as a real silo's result is)."""
+
+    def __init__(self, values: dict[str, float]):
+        super().__init__(None, ModelSpec(), torch.device("cpu"))
+        self.values = values
+
+    def local_update(self, plan, data):
+        weight = float(data.images.shape[0])
+        return SiloResult({"delta/x": torch.full((3,), self.values[data.silo_id] * weight),
+                           "weight": torch.tensor([weight])})
+
+
+def silos_with(images: dict[str, int]) -> list[SiloData]:
+    return [SiloData(images=torch.zeros(n, 1, 28, 28, dtype=torch.uint8), silo_id=name) for name, n in images.items()]
+
+
+def test_in_process_rounds_are_the_hub_round_loop_robust_rule_weight_cap_and_records(tmp_path) -> None:
+    from silo_core.rounds import records_from_json
+    from silo_server.robust import AggregationSection
+
+    values = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 1000.0}  # e: one silo far off the others
+    silos = silos_with({name: 10 for name in values})
+    state, history = run_inprocess(MeanOfSilos(), ValueSilo(values), silos, rounds=1, seed=0,
+                                   aggregation=AggregationSection(rule="median"), state_dir=tmp_path / "median")
+    assert state.tensors["model/x"].tolist() == [3.0, 3.0, 3.0]  # the coordinate-wise median, not the mean 202
+    decision = history[0].aggregation
+    assert decision is not None and decision.rule == "median" and decision.updates == 5
+    assert "e" in decision.excluded_silos
+    assert history[0].silos_sampled == history[0].silos_contributed == 5
+    saved = json.loads((tmp_path / "median" / "history.json").read_text())  # the hub's own records
+    assert records_from_json(saved["rounds"]) == history
+    assert not (tmp_path / "median" / "round-updates").exists() or not any((tmp_path / "median" / "round-updates").iterdir())
+
+    # The hub's weight cap applies in process too: a silo declaring 100x the median images carries 4x its weight.
+    state, _ = run_inprocess(MeanOfSilos(), ValueSilo({"a": 0.0, "b": 0.0, "c": 10.0}),
+                             silos_with({"a": 10, "b": 10, "c": 1000}), rounds=1, seed=0)
+    assert state.tensors["model/x"].tolist() == [pytest.approx(10.0 * 40 / 60)] * 3
