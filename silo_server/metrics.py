@@ -25,6 +25,7 @@ in use, or at the algorithm's static value):
     secagg.recoveries                        silokit_hub_secagg_recoveries_total (silos whose masks were recovered)
     round_seconds, aggregation_seconds       silokit_hub_round_duration_seconds, ..._aggregation_duration_seconds
     evaluation_seconds                       silokit_hub_evaluation_duration_seconds
+    checkpoint_seconds                       silokit_hub_checkpoint_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
     aggregation.excluded, .down_weighted     silokit_hub_round_aggregation_silos{decision="excluded"|"down_weighted"}
                                              (the last round's; 0 under the mean), silokit_hub_aggregation_silos_total
@@ -95,6 +96,10 @@ class HubMetrics:
             "silokit_hub_evaluation_duration_seconds",
             "Time the hub spent scoring a round's model on its validation split and test set.",
             buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.checkpoint_duration = Histogram(
+            "silokit_hub_checkpoint_duration_seconds",
+            "Time the hub spent writing a round's checkpoint (model state, history, privacy accountant).",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.secagg_duration = Histogram(
             "silokit_hub_secagg_stage_duration_seconds", "Duration of a secure-aggregation stage in a round.",
             ["stage"], buckets=(0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300), registry=r)
@@ -133,7 +138,8 @@ class HubMetrics:
         self.progress.set(now)
         for histogram, seconds in ((self.round_duration, record.round_seconds),
                                    (self.aggregation_duration, record.aggregation_seconds),
-                                   (self.evaluation_duration, record.evaluation_seconds)):
+                                   (self.evaluation_duration, record.evaluation_seconds),
+                                   (self.checkpoint_duration, record.checkpoint_seconds)):
             if seconds is not None:
                 histogram.observe(seconds)
         self.dropouts.inc(max(0, record.silos_dropped or 0))

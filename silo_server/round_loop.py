@@ -428,7 +428,11 @@ class RoundLoop:
             record = with_silos(record, task)
         self.records.history.append(record)
         self.failed_attempts = 0
+        saving_started = time.time()
         self.records.save(state, self.registry.declared_images())
+        record = replace(record, checkpoint_seconds=time.time() - saving_started)
+        self.records.history[-1] = record
+        self.records.write_history()
         with self.cond:
             self.task = None
             self.round = state.round

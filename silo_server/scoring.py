@@ -87,8 +87,12 @@ class RunRecords:
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
         save_checkpoint(self.state_dir, state, info)
-        write_json_atomic(self.state_dir / "history.json",
-                          {"run_id": self.run_id, "initial": initial, "rounds": history})
+        self.write_history()
+
+    def write_history(self) -> None:
+        """history.json: what silo-sim, the benchmarks and an operator read while the run goes on."""
+        write_json_atomic(self.state_dir / "history.json", {"run_id": self.run_id, "initial": self.initial.to_json(),
+                                                            "rounds": [r.to_json() for r in self.history]})
 
 
 def short(v: Any) -> Any:

@@ -1,5 +1,6 @@
 """The hub's metrics, read from a real registry while a real hub core (no network) runs rounds."""
 
+import json
 import socket
 import subprocess
 import sys
@@ -82,6 +83,12 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
     assert after[("silokit_hub_round_silos", (("state", "dropped"),))] == 0
     assert after[("silokit_hub_round_duration_seconds_count", ())] == 1
     assert after[("silokit_hub_aggregation_duration_seconds_count", ())] == 1
+    # The round's checkpoint write is timed in its record, in history.json and in the histogram.
+    assert hub.history[0].checkpoint_seconds is not None and hub.history[0].checkpoint_seconds > 0
+    saved = json.loads((tmp_path / "hub" / "history.json").read_text())["rounds"][0]
+    assert saved["checkpoint_seconds"] == hub.history[0].checkpoint_seconds
+    assert after[("silokit_hub_checkpoint_duration_seconds_count", ())] == 1
+    assert after[("silokit_hub_checkpoint_duration_seconds_sum", ())] == pytest.approx(saved["checkpoint_seconds"])
     assert after[("silokit_hub_silos_enrolled", ())] == 2 and after[("silokit_hub_silos_connected", ())] == 2
     assert after[("silokit_hub_silos_preparing", ())] == 0
     assert after[("silokit_hub_silo_rounds_contributed", (("silo", "a"),))] == 1
