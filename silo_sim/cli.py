@@ -135,6 +135,14 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def option_overrides(algorithm: str, given: dict[str, Any]) -> list[str]:
+    """One line per --option that replaces a value the demo sets for this algorithm (DEMO_OPTIONS), so that a
+    user comparing runs knows which of their values took the place of the demo's tuning."""
+    demo = DEMO_OPTIONS.get(algorithm, {})
+    return [f"--option {key}={json.dumps(value)} overrides the demo's {key}={json.dumps(demo[key])} for {algorithm}"
+            for key, value in given.items() if key in demo and demo[key] != value]
+
+
 def rounds_sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The hub.yaml key for --silos-per-round or --silos-per-round-count (none: the hub's default, every silo).
     Only the given one is set, so --hub-set can still choose the other."""
@@ -441,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         from silo_sim.ray_engine import check_engine_args  # imports Ray only for --engine ray
 
         check_engine_args(args)
-        options = {**DEMO_OPTIONS.get(args.algorithm, {}), **parse_options(args.option)}
+        given = parse_options(args.option)
+        options = {**DEMO_OPTIONS.get(args.algorithm, {}), **given}
+        for line in option_overrides(args.algorithm, given):
+            console.print(line, highlight=False)
         entry.options.model_validate(options)  # a bad --option fails here, with its name
         cores = os.cpu_count() or 2
         hub_config = {
