@@ -121,6 +121,40 @@ def shuffled_batches(n: int, batch_size: int, generator: torch.Generator) -> lis
     return batches
 
 
+class LocalWork:
+    """A silo's local work in a round: `epochs` passes over its data, or, when `steps` is given, exactly that many
+    SGD steps (passes repeat, each freshly shuffled, until the steps are taken; the last stops midway). Steps make
+    rounds comparable across silos of different sizes and with other frameworks that count local work in steps.
+
+        work = LocalWork(o.local_epochs, o.local_steps)
+        for _ in work.passes():
+            for batch in ...:
+                ...one SGD step...
+                if work.step():
+                    break
+    """
+
+    def __init__(self, epochs: int, steps: int | None = None):
+        self.epochs, self.steps, self.taken = epochs, steps, 0
+
+    def passes(self):
+        if self.steps is None:
+            yield from range(self.epochs)
+            return
+        number = 0
+        while self.taken < self.steps:
+            before = self.taken
+            yield number
+            if self.taken == before:  # a pass with no step (no usable batch) would repeat forever
+                return
+            number += 1
+
+    def step(self) -> bool:
+        """Count one step; True when the step budget is spent (always False when counting epochs)."""
+        self.taken += 1
+        return self.steps is not None and self.taken >= self.steps
+
+
 def train_supervised(
     model: nn.Module,
     images: Images,
@@ -135,14 +169,17 @@ def train_supervised(
     device: torch.device,
     generator: torch.Generator,
     flip: bool = True,
+    steps: int | None = None,
 ) -> float:
-    """Plain CE training on weakly augmented labeled images (SemiFL's ServerUpdate). Returns the mean loss."""
-    if len(images) < 2 or epochs <= 0:
+    """Plain CE training on weakly augmented labeled images (SemiFL's ServerUpdate), for `epochs` passes or
+    exactly `steps` steps when given (LocalWork). Returns the mean loss."""
+    if len(images) < 2 or (epochs <= 0 and steps is None):
         return float("nan")
     on_device(model, device).train()
     optimizer = make_sgd(model, lr, opt)
-    total, steps = 0.0, 0
-    for _ in range(epochs):
+    total, steps_taken = 0.0, 0
+    work = LocalWork(epochs, steps)
+    for _ in work.passes():
         order = shuffled_batches(len(images), batch_size, generator)
         for idx, x in image_batches(images, order, pinned(device)):
             if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
@@ -151,8 +188,10 @@ def train_supervised(
             with autocast(device):
                 loss = F.cross_entropy(model(x), labels[idx].to(device))
             sgd_step(model, optimizer, loss, opt.grad_clip)
-            total, steps = total + loss.item(), steps + 1
-    return total / max(steps, 1)
+            total, steps_taken = total + loss.item(), steps_taken + 1
+            if work.step():
+                break
+    return total / max(steps_taken, 1)
 
 
 @torch.no_grad()

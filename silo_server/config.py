@@ -291,6 +291,9 @@ class HubConfig(StrictConfig):
         if self.model.options.get("norm", "batch") != "group":
             raise ValueError("privacy.sample_dp needs model.options.norm: group (batch norm mixes the images of a "
                              "batch, so one image's gradient cannot be clipped on its own)")
+        if self.algorithm.options.get("local_steps") is not None:
+            raise ValueError("privacy.sample_dp counts local work in epochs (its accountant schedules whole passes): "
+                             "remove algorithm.options.local_steps and set local_epochs")
         return self
 
 

@@ -51,6 +51,7 @@ from silo_core.data import image_batches
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    LocalWork,
     autocast,
     clean_batches,
     make_sgd,
@@ -72,6 +73,8 @@ class ParallelFedAvgOptions(SGDOptions):
     hub_epochs: int = Field(5, ge=0, le=1000,
                             description="E_s: the hub's own epochs per round, in parallel with the silos")
     local_epochs: int = Field(5, ge=1, le=1000, description="E: silo epochs per round")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000, description="silo SGD steps per round instead of "
+                                    "local_epochs (passes repeat as needed); default: count epochs")
     hub_batch_size: int = Field(10, ge=2, le=65536, description="B_s")
     silo_batch_size: int = Field(10, ge=2, le=65536, description="B_m")
     hub_participates: bool = Field(True, description="average the hub's model in with the silos'")
@@ -174,7 +177,8 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
         model.train()
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         total_loss, steps, correct = 0.0, 0, 0.0
-        for _ in range(o.local_epochs):
+        work = LocalWork(o.local_epochs, o.local_steps)
+        for _ in work.passes():
             for idx, x in image_batches(data.images, shuffled_batches(n, o.silo_batch_size, gen), pinned(device)):
                 if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                     continue
@@ -192,6 +196,8 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
                 if data.true_labels is not None:
                     correct += float(((pseudo.cpu() == data.true_labels[idx]) & mask.cpu()).sum())
                 total_loss, steps = total_loss + loss.item(), steps + 1
+                if work.step():
+                    break
         if data.true_labels is not None:
             metrics["pl_correct"] = correct
         weight = 1.0 if o.aggregation == "uniform" else float(n)

@@ -59,6 +59,7 @@ from silo_core.data import ImageFiles, Images, image_batches, readable
 from silo_core.rounds import threshold_metric
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    LocalWork,
     autocast,
     hub_update,
     make_sgd,
@@ -86,6 +87,8 @@ class FedSEALOptions(SGDOptions, StrongAugmentOptions):
                                     description="hub epochs for w_1 before round 1; default hub_epochs")
     hub_epochs: int = Field(5, ge=0, le=1000, description="E_s: hub fine-tune epochs per round")
     local_epochs: int = Field(5, ge=1, le=1000, description="E_c: silo epochs per round")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000, description="silo SGD steps per round instead of "
+                                    "local_epochs (passes repeat as needed); default: count epochs")
     hub_batch_size: int = Field(10, ge=2, le=65536, description="B_s")
     silo_batch_size: int = Field(10, ge=2, le=65536, description="B_c")
     theta: float = Field(0.05, gt=0.0, lt=1.0, description="complementary labels: classes with pbar below theta")
@@ -384,7 +387,8 @@ class FedSEALSilo(SiloAlgorithm):
         model.train()
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         total_loss, steps = 0.0, 0
-        for _ in range(o.local_epochs):
+        work = LocalWork(o.local_epochs, o.local_steps)
+        for _ in work.passes():
             order = [used[batch] for batch in shuffled_batches(len(used), o.silo_batch_size, gen)]
             for b, x in image_batches(data.images, order, pinned(device)):
                 if len(b) < 2:  # unreadable files left fewer images than batch norm needs
@@ -405,6 +409,8 @@ class FedSEALSilo(SiloAlgorithm):
                         loss = loss + negative_loss(logits[len(bp):], y_neg[bn].to(device))
                 sgd_step(model, optimizer, loss, o.grad_clip)
                 total_loss, steps = total_loss + loss.item(), steps + 1
+                if work.step():
+                    break
 
         # (4) The weighted delta and its weight: the hub only needs sums.
         weight = 1.0 if o.aggregation == "uniform" else float(len(used))

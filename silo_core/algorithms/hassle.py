@@ -62,6 +62,7 @@ from silo_core.models import ModelSpec
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    LocalWork,
     autocast,
     clean_batches,
     make_sgd,
@@ -86,6 +87,8 @@ class HASSLEOptions(SGDOptions):
     lr_schedule: Literal["cosine", "constant", "exponential"] = "constant"
     nesterov: bool = False
     local_epochs: int = Field(10, ge=1, le=1000, description="E: epochs per model per round at every site")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000, description="silo SGD steps per round instead of "
+                                    "local_epochs (passes repeat as needed); default: count epochs")
     batch_size: int = Field(128, ge=2, le=65536)
     gamma: float = Field(0.001, ge=0.0, description="model proximity weight")
     proximity: Literal["squared", "l2"] = Field(
@@ -186,7 +189,7 @@ class HASSLEHub(HubAlgorithm):
         super().__init__(*args, **kwargs)
         self.specs = _specs(self.model_spec, self.options)
         o = self.options
-        site = o.model_copy(update={"local_epochs": o.hub_epochs or o.local_epochs,
+        site = o.model_copy(update={"local_epochs": o.hub_epochs or o.local_epochs, "local_steps": None,
                                     "batch_size": o.hub_batch_size or o.batch_size})
         self._site = HASSLESilo(site, self.model_spec, self.device)  # the hub as a labeled site
 
@@ -297,7 +300,8 @@ class HASSLESilo(SiloAlgorithm):
         opt_model, opt_res = make_sgd(model, lr, o.optimizer()), make_sgd(residual, lr, o.optimizer())
         loss_model = loss_res = 0.0
         steps = 0
-        for _ in range(o.local_epochs):
+        work = LocalWork(o.local_epochs, o.local_steps)
+        for _ in work.passes():
             for idx, x in image_batches(images, shuffled_batches(len(images), o.batch_size, gen), pinned(device)):
                 if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                     continue
@@ -313,6 +317,8 @@ class HASSLESilo(SiloAlgorithm):
                     rloss = ce + o.residual_lambda * kl
                 sgd_step(residual, opt_res, rloss, o.grad_clip)
                 loss_model, loss_res, steps = loss_model + loss.item(), loss_res + rloss.item(), steps + 1
+                if work.step():
+                    break
         n = float(len(images))
         tensors: dict[str, torch.Tensor] = {}
         for key, net in ((own, model), (res, residual)):

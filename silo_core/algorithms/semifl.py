@@ -46,6 +46,7 @@ from silo_core.dp_sgd import SampleDPConfig, dp_schedule, dp_sgd_train, ledger_f
 from silo_core.rounds import PSEUDO_LABEL_ACCURACY, PSEUDO_LABEL_RATIO
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
+    LocalWork,
     OptimizerSettings,
     autocast,
     cosine_lr,
@@ -73,6 +74,8 @@ class SemiFLOptions(StrictConfig):
     hub_epochs: int = Field(5, ge=0, le=1000, description="E_s: hub fine-tune epochs per round")
     init_epochs: int | None = Field(None, ge=0, le=1000, description="hub epochs before round 1; default hub_epochs")
     local_epochs: int = Field(5, ge=1, le=1000, description="E: silo epochs per round")
+    local_steps: int | None = Field(None, ge=1, le=1_000_000, description="silo SGD steps per round instead of "
+                                    "local_epochs (passes repeat as needed); default: count epochs")
     hub_batch_size: int | None = Field(None, ge=2, le=65536, description="B_s; default 10 for <=1000 labels, else 250")
     silo_batch_size: int = Field(10, ge=2, le=65536, description="B_m")
     lr: float = Field(0.03, gt=0.0)
@@ -271,7 +274,8 @@ class SemiFLSilo(SiloAlgorithm):
         optimizer = make_sgd(model, float(plan.hyperparameters["lr"]), o.optimizer())
         mix_rng = random.Random(int(torch.randint(2**31, (1,), generator=gen)))  # Beta draws, seeded too
         total_loss, steps = 0.0, 0
-        for _ in range(o.local_epochs):
+        work = LocalWork(o.local_epochs, o.local_steps)
+        for _ in work.passes():
             fix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
             mix_batches = shuffled_batches(n_fix, o.silo_batch_size, gen)
             pairs = [(fb[:m], mb[:m]) for fb, mb in zip(fix_batches, mix_batches, strict=False)
@@ -303,6 +307,8 @@ class SemiFLSilo(SiloAlgorithm):
                     loss = loss_fix + o.mix_weight * loss_mix
                 sgd_step(model, optimizer, loss, o.grad_clip)
                 total_loss, steps = total_loss + loss.item(), steps + 1
+                if work.step():
+                    break
 
         # (4) Send the weighted delta and its weight: the hub only ever needs sums.
         weight = 1.0 if o.aggregation == "uniform" else float(n_fix)

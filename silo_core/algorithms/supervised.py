@@ -57,7 +57,8 @@ class SupervisedSilo(SiloAlgorithm):
         model = load_model(spec, plan.tensors)
         start = {k: p.detach().clone() for k, p in model.named_parameters()}
         loss = train_supervised(
-            model, data.images, data.true_labels, epochs=o.local_epochs, batch_size=o.silo_batch_size,
+            model, data.images, data.true_labels, epochs=o.local_epochs, steps=o.local_steps,
+            batch_size=o.silo_batch_size,
             lr=float(plan.hyperparameters["lr"]), opt=o.optimizer(), mean=spec.mean, std=spec.std,
             device=self.device, generator=gen, flip=o.flip,
         )
