@@ -439,13 +439,28 @@ class SiloClient:
         self.stub.Upload(messages(), timeout=600)
         self.metrics.sent(len(payload))
 
-    def _train(self, task: silo_pb2.Task) -> None:
+    def _plan(self, task: silo_pb2.Task) -> RoundPlan:
+        """The round's plan: the task's fields and its downloaded bundle (TRAIN and RECEIVE alike)."""
         self._check_hub_certificate(unless_checked_within_s=HUB_CHECK_EVERY_S)
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
         tensors = self._download(task)
-        plan = RoundPlan(round=task.round, tensors=tensors, hyperparameters=json.loads(task.hyperparameters_json or "{}"),
-                         expected=expected, class_thresholds=list(task.class_thresholds),
-                         groups=self.algorithm.result_groups(expected))
+        return RoundPlan(round=task.round, tensors=tensors,
+                         hyperparameters=json.loads(task.hyperparameters_json or "{}"), expected=expected,
+                         class_thresholds=list(task.class_thresholds), groups=self.algorithm.result_groups(expected))
+
+    def _receive(self, task: silo_pb2.Task) -> None:
+        """Not sampled, but the algorithm hands every silo the round's model (FedSEAL's ensemble_every_round): use
+        it, send nothing."""
+        plan = self._plan(task)
+        started = time.time()
+        self.algorithm.receive_model(plan, self.data)
+        self._count_unreadable(task.round)
+        self.log.info("round %d: not sampled; received the model and used it in %.1fs, nothing sent", task.round,
+                      time.time() - started)
+
+    def _train(self, task: silo_pb2.Task) -> None:
+        plan = self._plan(task)
+        expected = plan.expected
         started = time.time()
         result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
@@ -495,6 +510,8 @@ class SiloClient:
                     return 0
                 if task.kind == silo_pb2.Task.TRAIN:
                     self.run_work(self._train, task)
+                elif task.kind == silo_pb2.Task.RECEIVE:
+                    self.run_work(self._receive, task)
                 elif task.kind == silo_pb2.Task.SECAGG:
                     self.run_work(self.privacy.run_stage, task)
                 elif task.retry_after_s > 0:

@@ -210,7 +210,11 @@ class RoundRecord:
     silos_contributed: int | None = None  # reported an update, not a skip, and stayed in the round
     attempt: int | None = None  # >1 after below-quorum retries
     bytes_up: int | None = None
-    bytes_down: int | None = None
+    bytes_down: int | None = None  # every bundle sent, to the sampled silos and to the silos below
+    # Silos left out of the sample that received the round's model anyway (an algorithm that broadcasts it:
+    # FedSEAL's ensemble_every_round), and the bytes sent to them, over the round's attempts.
+    silos_received: int | None = None
+    bytes_down_received: int | None = None
     # timing
     round_seconds: float | None = None
     aggregation_seconds: float | None = None  # sums to next model (unmask, average, hub fine-tune, sBN)

@@ -29,7 +29,7 @@ log = logging.getLogger("silo_server")
 class TaskView:
     """What NextTask answers, transport-neutral."""
 
-    kind: str  # "WAIT" | "TRAIN" | "SECAGG" | "DONE"
+    kind: str  # "WAIT" | "TRAIN" | "RECEIVE" | "SECAGG" | "DONE"
     round: int = 0
     task_id: str = ""
     bundle_bytes: int = 0
@@ -72,6 +72,14 @@ class TaskIntake:
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
                 expected=t.expected, privacy_json=t.privacy.privacy_json(t.task_id) if t.privacy else "",
             )
+        if t and t.open and self._may_receive(silo_id, t):
+            # The round's model without a part in it: the same bundle and plan as TRAIN, nothing to upload. An old
+            # silo that does not know RECEIVE waits retry_after_s and asks again.
+            return TaskView(
+                "RECEIVE", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
+                hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
+                expected=t.expected, retry_after_s=1.0,
+            )
         if t and t.privacy is not None and silo_id in t.sampled:
             stage = HubPrivacy.view(t.privacy, silo_id)
             if stage is not None:
@@ -79,12 +87,22 @@ class TaskIntake:
                                 secagg_payload=stage[1])
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {rounds.phase}, round {rounds.round}")
 
-    def _task_of(self, silo_id: str, task_id: str) -> ActiveTask:
+    def _may_receive(self, silo_id: str, t: ActiveTask) -> bool:
+        """A silo outside the round's sample gets the round's model when the algorithm broadcasts it: once a round,
+        and only when done loading its images (call under the lock)."""
+        if t.broadcast is None or silo_id in t.sampled or silo_id in t.broadcast.received:
+            return False
+        record = self.registry.silos.get(silo_id)
+        return record is not None and record.ready
+
+    def _task_of(self, silo_id: str, task_id: str, receiving: bool = False) -> ActiveTask:
+        """The open task `task_id` names, if this silo has a part in it: sampled, or (`receiving`, a download) a
+        silo the round's model is broadcast to."""
         t = self.rounds.task
         if t is None or t.task_id != task_id or not t.open:
             raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
                                        f"task {task_id} is not the current open task (round over or replaced)")
-        if silo_id not in t.sampled:
+        if silo_id not in t.sampled and not (receiving and t.broadcast is not None):
             raise self.registry.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
                                        f"silo {silo_id} was not sampled for round {t.round}")
         return t
@@ -96,9 +114,13 @@ class TaskIntake:
         with self.cond:
             self.check_run(silo_id, run_id)
             self.registry.touch(silo_id)
-            t = self._task_of(silo_id, task_id)
-            t.downloaded.add(silo_id)
-            t.bytes_down += len(t.bundle)
+            t = self._task_of(silo_id, task_id, receiving=True)
+            if silo_id in t.sampled:
+                t.downloaded.add(silo_id)
+                t.bytes_down += len(t.bundle)
+            else:  # a silo the round's model is broadcast to (task_for answered RECEIVE)
+                t.broadcast.received.add(silo_id)
+                t.broadcast.bytes_down += len(t.bundle)
             self.registry.count("sent_bytes", len(t.bundle))
             return t.bundle
 

@@ -33,6 +33,15 @@ PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "f
 
 
 @dataclass
+class Broadcast:
+    """A round's model for the live silos outside its sample (HubAlgorithm.broadcasts_model). One per round, shared
+    by its attempts, so a silo receives the round's model once even when the round is retried."""
+
+    received: set[str] = field(default_factory=set)  # silos that downloaded it without being sampled
+    bytes_down: int = 0
+
+
+@dataclass
 class ActiveTask:
     round: int
     attempt: int
@@ -61,6 +70,7 @@ class ActiveTask:
     # Under a robust aggregation rule (not mean): the individual updates, one file each, instead of `sums`
     # (which then holds only the silos' metrics).
     updates: UpdateStore | None = None
+    broadcast: Broadcast | None = None  # set when the algorithm hands the round's model to every live silo
 
 
 class RssMeter:
@@ -307,6 +317,7 @@ class RoundLoop:
             state, metrics = self.algorithm.finish_round(state, {}, {})
             return self._complete_round(state, metrics, started, None)
         bundle = encode(plan.tensors, half=self.half_precision)
+        broadcast = Broadcast() if self.algorithm.broadcasts_model() else None
         for attempt in itertools.count(1):
             live = self.wait_for_silos()
             if self.stop_event.is_set():
@@ -319,7 +330,7 @@ class RoundLoop:
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
                 hyperparameters_json=json.dumps({**plan.hyperparameters, **self.round_hyperparameters}),
                 sampled=sampled, deadline=time.time() + self.settings.deadline_s,
-                expected=wire_specs(plan.expected, self.half_precision),
+                expected=wire_specs(plan.expected, self.half_precision), broadcast=broadcast,
             )
             if self.aggregation.rule != "mean":
                 task.updates = UpdateStore(self.records.state_dir / "round-updates" / task.task_id)
@@ -329,7 +340,8 @@ class RoundLoop:
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.registry.silos),
                                                   need)
                 task.accepted = task.privacy.accepted
-            log.info("round %d attempt %d: sampled %d of %d silos, quorum %d", r, attempt, len(sampled), len(live), need)
+            log.info("round %d attempt %d: sampled %d of %d silos, quorum %d%s", r, attempt, len(sampled), len(live), need,
+                     "; the others receive the model without training" if broadcast is not None else "")
             task.rss_at_open = self.rss_meter.restart()
             with self.cond:
                 self.task, self.round, self.phase = task, r, "training"
@@ -451,7 +463,9 @@ def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
         record, silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
         silos_dropped=len(task.sampled) - reporters, silos_contributed=len(task.reported - task.gone - task.skipped),
         attempt=task.attempt, bytes_up=task.bytes_up,
-        bytes_down=task.bytes_down,
+        bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),
+        silos_received=len(task.broadcast.received) if task.broadcast else None,
+        bytes_down_received=task.broadcast.bytes_down if task.broadcast else None,
         silo_train_loss=sums.metrics["train_loss"] / sums.contributors
         if reporters and "train_loss" in sums.metrics and sums.contributors else None,
         # Where a round's time goes: the silos' own computation (skipping silos report it too), against the

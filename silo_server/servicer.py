@@ -35,7 +35,7 @@ from silo_server.hub import Hub, Refusal
 log = logging.getLogger("silo_server")
 
 _KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo_pb2.Task.DONE,
-          "SECAGG": silo_pb2.Task.SECAGG}
+          "SECAGG": silo_pb2.Task.SECAGG, "RECEIVE": silo_pb2.Task.RECEIVE}
 
 # Calls one silo may have in flight at once, by method. A silo's own client never needs more than one at a time.
 CALLS_PER_SILO = {"Join": 1, "NextTask": 1, "Download": 1, "Upload": 1, "Health": 1}

@@ -39,8 +39,9 @@ from silo_server.settings import RoundSettings
 class InProcessSilos:
     """The round loop's transport when the silos live in this process (silo_server/round_loop.py Transport): each
     sampled silo runs its algorithm half on the round's plan, as a silo-client would on what it downloaded, and its
-    result goes through the hub's checks (exact tensors, finite, weight within the round's cap) into the round.
-    No silo drops out and no deadline applies: a round waits for every sampled silo."""
+    result goes through the hub's checks (exact tensors, finite, weight within the round's cap) into the round;
+    when the hub half broadcasts the round's model, every other silo then gets it too (receive_model). No silo drops
+    out and no deadline applies: a round waits for every sampled silo."""
 
     def __init__(self, silo: SiloAlgorithm | None, silos: dict[str, SiloData]):
         self.silo = silo
@@ -67,6 +68,13 @@ class InProcessSilos:
             stored = task.updates.write(tensors) if task.updates is not None and tensors else None
             with loop.cond:
                 loop.accept_result(name, task, tensors, metrics, result.skipped, stored=stored)
+        if task.broadcast is not None:  # the algorithm hands the round's model to the silos left out of it too
+            for name in sorted(set(self.silos) - task.sampled - task.broadcast.received):
+                if loop.stop_event.is_set():
+                    raise InterruptedError("stopping")
+                self.silo.receive_model(plan, self.silos[name])
+                with loop.cond:
+                    task.broadcast.received.add(name)
 
 
 def run_inprocess(

@@ -94,11 +94,13 @@ class Task(_message.Message):
         TRAIN: _ClassVar[Task.Kind]
         DONE: _ClassVar[Task.Kind]
         SECAGG: _ClassVar[Task.Kind]
+        RECEIVE: _ClassVar[Task.Kind]
     KIND_UNSPECIFIED: Task.Kind
     WAIT: Task.Kind
     TRAIN: Task.Kind
     DONE: Task.Kind
     SECAGG: Task.Kind
+    RECEIVE: Task.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]

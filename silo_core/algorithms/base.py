@@ -174,6 +174,13 @@ class HubAlgorithm(ABC):
     def has_trusted_update(cls) -> bool:
         return cls.trusted_update is not HubAlgorithm.trusted_update
 
+    def broadcasts_model(self) -> bool:
+        """Whether every live silo left out of a round's sample receives the round's plan too, to use without
+        training or uploading (SiloAlgorithm.receive_model). The round never waits for these silos; they cost the
+        round one bundle download each (FedSEAL's ensemble_every_round: the paper's self-ensemble over every
+        round)."""
+        return False
+
 
 class SiloAlgorithm(ABC):
     name: str = ""
@@ -190,6 +197,11 @@ class SiloAlgorithm(ABC):
 
     @abstractmethod
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult: ...
+
+    def receive_model(self, plan: RoundPlan, data: SiloData) -> None:
+        """A round's plan for a silo that was not sampled, when the hub half broadcasts (HubAlgorithm.
+        broadcasts_model): the silo may use it (FedSEAL folds it into its self-ensemble) but sends nothing back."""
+        return None  # an algorithm whose hub half never broadcasts has no use for it
 
     def result_groups(self, expected: Mapping[str, TensorSpec]) -> dict[str, list[str]]:
         """The groups of a plan's expected tensors, as the hub half declares them (RoundPlan.groups). The wire

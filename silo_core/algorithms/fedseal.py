@@ -11,6 +11,7 @@ Algorithm 1, as this file runs it:
                 C(x) = {m != y+ : pbar_t[m] < theta};  D- = {x not in D+ : C(x) not empty},  ybar ~ U(C(x))
                 E_c epochs of  lambda_t * CE(f(A(x)), y+) on D+  +  -log(1 - p_ybar(a(x))) on D-
                 send (w_k - w_t) * n_k and n_k        (n_k = 1: the paper's plain average)
+        silo j not sampled, with ensemble_every_round (the paper): receives w_t, folds p_t into pbar, sends nothing
         hub:   wbar_t = w_t + sum_k n_k (w_k - w_t) / sum_k n_k                                      (finish_round)
                w_{t+1} <- E_s epochs of CE(f(a(x_s)), y_s) from wbar_t; sBN statistics
                tau_{t+1}[m] = clip(sum_{i in val: argmax p(x_i) = m} p_m(x_i) / den_m, lo, hi)
@@ -104,6 +105,9 @@ class FedSEALOptions(SGDOptions, StrongAugmentOptions):
                                              "R = ceil(ramp_fraction * rounds) rounds; 0: no ramp")
     aggregation: Literal["uniform", "samples"] = Field(
         "uniform", description="plain mean of silo models (paper) or weighted by images trained on")
+    ensemble_every_round: bool = Field(
+        False, description="every live silo receives w_t each round and folds it into its self-ensemble, sampled or "
+                           "not (paper); default: only the sampled silos receive it, costing 1/C fewer downloads")
 
     @model_validator(mode="after")
     def _ordered(self) -> FedSEALOptions:
@@ -329,6 +333,9 @@ class FedSEALHub(HubAlgorithm):
     def served_model(self, state: HubState) -> nn.Module:
         return load_model(self.model_spec, state.tensors).eval()
 
+    def broadcasts_model(self) -> bool:
+        return self.options.ensemble_every_round
+
 
 # ---------------------------------------------------------------------------------------------- silo half
 
@@ -354,6 +361,17 @@ class FedSEALSilo(SiloAlgorithm):
             save_ensemble(data.state_dir, data.run_id, fingerprint, ensemble)
         return ensemble
 
+    def _confidences(self, model: nn.Module, data: SiloData) -> torch.Tensor:
+        """p(x; w_t) on the un-augmented images."""
+        spec = self.model_spec
+        return predict_logits(model, data.images, spec.mean, spec.std, self.device).softmax(dim=1)
+
+    def receive_model(self, plan: RoundPlan, data: SiloData) -> None:
+        """A round this silo was not sampled in (ensemble_every_round): w_t joins the self-ensemble exactly as in
+        a sampled round, and nothing is trained or sent."""
+        model = on_device(load_model(self.model_spec, plan.tensors), self.device)
+        self._ensemble(data, self._confidences(model, data), plan.round)
+
     def local_update(self, plan: RoundPlan, data: SiloData) -> SiloResult:
         o, spec, device = self.options, self.model_spec, self.device
         if len(plan.class_thresholds) != spec.num_classes:
@@ -364,8 +382,7 @@ class FedSEALSilo(SiloAlgorithm):
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
         # (1) p(x; w_t) on the un-augmented images, folded into the self-ensemble pbar_t.
-        probs = predict_logits(model, data.images, spec.mean, spec.std, device).softmax(dim=1)
-        pbar = self._ensemble(data, probs, plan.round).mean
+        pbar = self._ensemble(data, self._confidences(model, data), plan.round).mean
 
         # (2) Positive set against the hub's per-class thresholds; negative set with complementary labels. An image
         # whose file turned out unreadable (a uniform prediction) is in neither.

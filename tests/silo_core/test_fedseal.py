@@ -1,12 +1,13 @@
 """FedSEAL's math pinned on hand-made cases: thresholds, self-ensemble (and its persistence), positive and
 negative sets, the negative-learning loss, the lambda ramp; then one hub round and one silo update."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from silo_core.algorithms.base import HubData, SiloData
+from silo_core.algorithms.base import HubData, SiloData, load_model
 from silo_core.algorithms.fedseal import (
     FedSEALHub,
     FedSEALOptions,
@@ -23,6 +24,7 @@ from silo_core.algorithms.fedseal import (
     save_ensemble,
 )
 from silo_core.models import ModelSpec
+from silo_core.training import predict_logits
 
 SPEC = ModelSpec(options={"width": 4})
 
@@ -197,3 +199,37 @@ def test_in_memory_ensemble_is_kept_per_silo():
     assert torch.allclose(silo._ensemble(a, p2, 2).mean, torch.tensor([[0.75, 0.25]] * 3))
     assert torch.allclose(silo._ensemble(b, p2, 2).mean, p2)
     assert isinstance(silo._memory[("a", "")], SelfEnsemble)
+
+
+def test_a_silo_left_out_of_a_round_folds_the_received_model_into_its_ensemble(tmp_path):
+    """ensemble_every_round (the paper): a silo not sampled receives w_t and averages p(x; w_t) into pbar, on disk,
+    exactly as a sampled round would; nothing is trained."""
+    hub = tiny_hub({"ensemble_every_round": True})
+    assert hub.broadcasts_model() and not tiny_hub().broadcasts_model()
+    plan1 = hub.begin_round(hub.init_state())
+    # Round 2's model: another w (every weight halved), so the two rounds' confidences differ.
+    plan2 = dataclasses.replace(plan1, round=2, tensors={k: (v * 0.5 if v.is_floating_point() else v)
+                                                         for k, v in plan1.tensors.items()})
+    images = torch.randint(0, 256, (6, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    data = SiloData(images=images, state_dir=tmp_path, silo_id="s1", run_id="r1")
+    silo = FedSEALSilo(FedSEALOptions(), SPEC, torch.device("cpu"))
+
+    def probs(plan):
+        return predict_logits(load_model(SPEC, plan.tensors), images, SPEC.mean, SPEC.std,
+                              torch.device("cpu")).softmax(dim=1)
+
+    p1, p2 = probs(plan1), probs(plan2)
+    assert not torch.allclose(p1, p2, atol=1e-4)
+    before = {k: v.clone() for k, v in plan1.tensors.items()}
+    assert silo.receive_model(plan1, data) is None
+    assert all(torch.equal(before[k], plan1.tensors[k]) for k in before)  # the received model is not trained
+    silo.receive_model(plan2, data)
+    silo.receive_model(plan2, data)  # the same round again (a retry): not counted twice
+    stored = load_ensemble(tmp_path, "r1", image_fingerprint(images), (6, 10))
+    assert stored.count == 2 and stored.last_round == 2
+    assert torch.allclose(stored.mean, (p1 + p2) / 2, atol=1e-6)
+    # Sampled in round 3: its ensemble has all three models, though it trained in none before.
+    plan3 = dataclasses.replace(plan1, round=3, class_thresholds=[1.0] * 10)
+    silo.local_update(plan3, data)
+    stored = load_ensemble(tmp_path, "r1", image_fingerprint(images), (6, 10))
+    assert stored.count == 3 and torch.allclose(stored.mean, (2 * p1 + p2) / 3, atol=1e-6)
