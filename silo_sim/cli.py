@@ -27,6 +27,7 @@ from rich.table import Table
 
 from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
 from silo_core.selection import BestRound
+from silo_sim.stage import DATA_HELP, load_source
 
 console = Console(stderr=False)
 if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
@@ -106,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="set any hub.yaml key (YAML value), e.g. privacy.secure_aggregation.enabled=true; repeatable")
     p.add_argument("--model", choices=["small_cnn", "wrn28_2"], default="small_cnn",
-                   help="network (both take the demo's 28x28 grayscale images)")
+                   help="network (both take any image size, grayscale or colour)")
+    p.add_argument("--data", default="demo", metavar="SOURCE", help=f"the images: {DATA_HELP}")
+    p.add_argument("--image-size", type=int, metavar="PIXELS",
+                   help="the side the model takes (default: the data's, e.g. 28 for Fashion-MNIST, 32 for CIFAR-10, "
+                        "a folder's first image)")
     p.add_argument("--half-precision", action="store_true", help="send the model to silos as float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -354,21 +359,24 @@ def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
         tmp.replace(directory / name)
 
 
-def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
-                         model: str = "small_cnn", model_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str) -> dict[str, Any]:
     """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
     import torch
 
     from silo_core.algorithms.base import HubData
     from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
     from silo_core.data import load_labeled_folder
-    from silo_core.models import ModelSpec
     from silo_core.training import evaluate, resolve_device
+    from silo_server.app import model_spec_from
+    from silo_server.config import load_config
 
     torch.set_num_threads(os.cpu_count() or 2)
-    labeled = load_labeled_folder(staged.root / "hub" / "labeled", 28, 1)
-    test = load_labeled_folder(staged.root / "hub" / "test", 28, 1)
-    spec = ModelSpec(name=model, num_classes=len(labeled.classes), options=dict(model_options or {}))
+    # The staged hub.yaml's model, built as the hub builds it (the staged data's size, channels, normalisation).
+    config = load_config(staged.hub_config)
+    size, channels = config.model.image_size, config.model.in_channels
+    labeled = load_labeled_folder(staged.root / "hub" / "labeled", size, channels)
+    test = load_labeled_folder(staged.root / "hub" / "test", size, channels)
+    spec = model_spec_from(config, len(labeled.classes))
     # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
     opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
     dev = resolve_device(device)
@@ -455,10 +463,11 @@ def main(argv: list[str] | None = None) -> int:
             console.print(line, highlight=False)
         entry.options.model_validate(options)  # a bad --option fails here, with its name
         cores = os.cpu_count() or 2
+        source = load_source(args.data, args.image_size)
         hub_config = {
             "run": {"seed": args.seed, "device": args.device, "threads": cores},
             "algorithm": {"name": args.algorithm, "options": options},
-            "model": {"name": args.model, "image_size": 28, "in_channels": 1},
+            "model": {"name": args.model, "image_size": source.image_size, "in_channels": source.channels},
             "wire": {"half_precision": args.half_precision},
             # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
             **({"server": {"linger_s": 30.0, "min_linger_s": 30.0}} if getattr(args, "prometheus_targets", None)
@@ -468,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_hub_settings(hub_config, args.hub_set)
         check_secure_aggregation_fits(hub_config, args.silos)
         extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
-                 "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class}
+                 "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class,
+                 "source": source}
         if args.export_demo:
             staged = stage_federation(args.export_demo, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                       partition=args.partition, alpha=args.alpha,
@@ -484,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  ... and {len(staged.silos) - 3} more silos under {staged.root / 'silos'}")
             return 0
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="silo-sim-"))
-        console.print(f"staging {args.silos} silos, {args.labels_per_class * 10} hub labels and certificates in "
-                      f"{workdir} ...")
+        console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
+                      f"in {workdir} from {source.description} ...")
         t0 = time.time()
         staged = stage_federation(workdir, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                   partition=args.partition, alpha=args.alpha, classes_per_silo=args.classes_per_silo,
@@ -495,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
-            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device, args.model,
-                                            hub_config["model"].get("options"))
+            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
         _, initial = _read_history(staged.hub_state_dir / "history.json")
         console.print(summary_table(history, baseline, args.algorithm, initial))
         final = history[-1] if history else None

@@ -9,20 +9,38 @@ Layout under root:
     silos/<silo>/labeled/<class>/*.png     labeled images of a partly labeled silo (HASSLE), when asked for
     silos/<silo>/labels.json               simulation only: true labels of images/, for pseudo-label accuracy
     hub.yaml                               the hub's config, as an operator would write it
+
+The images come from a SimData source (load_source): the bundled demo subset, a torchvision dataset on disk (all
+of its training split) or any folder of class sub-folders. Images held in memory are written as PNG files; the
+files of a folder source are linked (hard links, copies across file systems), never decoded or re-encoded.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
+from PIL import Image
 
 from security.pki import init_ca, issue_hub, issue_silo
-from silo_core.data import ImageSet, load_demo, save_png_folder
+from silo_core.data import (
+    TORCHVISION_DATASETS,
+    DataError,
+    ImageFiles,
+    ImageSet,
+    class_folder_name,
+    list_image_files,
+    load_demo,
+    load_torchvision,
+    save_png_folder,
+)
 from silo_core.partition import make_partition, split_labeled_per_class
 
 
@@ -47,6 +65,81 @@ class StagedFederation:
     silos: list[SiloSpec] = field(default_factory=list)
     hub_labeled: ImageSet | None = None
     test: ImageSet | None = None
+
+
+@dataclass
+class SimData:
+    """Where a simulated federation's images come from: its training pool (hub labels, validation split, silo
+    shards), its test set (None: held out from the pool) and the size and channels the model takes."""
+
+    train: ImageSet
+    test: ImageSet | None
+    image_size: int
+    channels: int
+    description: str
+
+
+DATA_HELP = ("demo (the bundled 6,000 Fashion-MNIST images), fashion-mnist:ROOT, mnist:ROOT, cifar10:ROOT or "
+             "svhn:ROOT (torchvision's layout under ROOT, e.g. ROOT/FashionMNIST/raw: the whole training split; "
+             "the test set is the dataset's own), or the path of any folder of class sub-folders (e.g. CIFAR-10 "
+             "as JPEG folders; the test set is held out from it)")
+
+
+def load_source(source: str = "demo", image_size: int | None = None) -> SimData:
+    """The images named by silo-sim's --data (DATA_HELP). `image_size` overrides the size the model takes."""
+    if source == "demo":
+        return SimData(load_demo("train"), load_demo("test"), image_size or 28, 1, "the bundled demo subset")
+    name, sep, root = source.partition(":")
+    datasets = {d.lower().replace("fashionmnist", "fashion-mnist"): d for d in TORCHVISION_DATASETS}
+    if sep and name.lower() in datasets:
+        canonical = datasets[name.lower()]
+        channels = 1 if canonical in ("FashionMNIST", "MNIST") else 3
+        size = image_size or (28 if channels == 1 else 32)
+        train = load_torchvision(canonical, root, True, size, channels)
+        return SimData(train, load_torchvision(canonical, root, False, size, channels), size, channels,
+                       f"{canonical} under {root}")
+    folder = Path(source)
+    if not folder.is_dir():
+        raise DataError(f"--data {source}: not a folder nor one of the known sources; use {DATA_HELP}")
+    return _folder_source(folder, image_size)
+
+
+def _folder_source(folder: Path, image_size: int | None) -> SimData:
+    """A folder of class sub-folders, listed (not decoded): its files are linked into the staged folders."""
+    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    paths, labels = [], []
+    for label, class_dir in enumerate(class_dirs):
+        found = list_image_files(class_dir)
+        paths.extend(found)
+        labels.extend([label] * len(found))
+    if len(class_dirs) < 2 or not paths:
+        raise DataError(f"--data {folder}: needs a folder of class sub-folders (at least two) holding images, "
+                        f"e.g. {folder}/cat/1.jpg and {folder}/dog/2.jpg")
+    with Image.open(paths[0]) as first:  # the model's input follows the data: grayscale or colour, its size
+        channels = 1 if first.mode in ("1", "L", "I", "I;16", "F") else 3
+        size = image_size or min(first.size)
+    images = ImageFiles(paths, size, channels, workers=0)
+    train = ImageSet(images, torch.tensor(labels, dtype=torch.int64), [d.name for d in class_dirs])
+    return SimData(train, None, size, channels, f"{len(paths)} images in {len(class_dirs)} classes under {folder}")
+
+
+def write_images(images: ImageSet, folder: Path, labeled: bool) -> None:
+    """Images in memory become PNG files (save_png_folder); files of a folder source are linked under the same
+    layout (a class sub-folder each when labeled), keeping their format."""
+    if not isinstance(images.images, ImageFiles):
+        save_png_folder(images, folder, labeled=labeled)
+        return
+    width = len(str(max(len(images) - 1, 0)))
+    targets = ([folder / class_folder_name(int(y), images.classes[int(y)], len(images.classes))
+                for y in images.labels.tolist()] if labeled else [folder] * len(images))
+    for d in set(targets):
+        d.mkdir(parents=True, exist_ok=True)
+    for i, (path, target) in enumerate(zip(images.images.paths, targets, strict=True)):
+        link = target / f"{i:0{width}d}{path.suffix.lower()}"
+        try:
+            os.link(path, link)
+        except OSError:  # another file system (or links not allowed): a copy
+            shutil.copyfile(path, link)
 
 
 def silo_name(i: int) -> str:
@@ -81,14 +174,22 @@ def stage_federation(
     validation_per_class: int | None = None,
     labeled_silos: int = 0,
     silo_labels_per_class: int = 0,
+    source: SimData | None = None,
 ) -> StagedFederation:
     """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
     the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
-    `silo_labels_per_class` images per class of their shard as labeled images (partly labeled sites)."""
+    `silo_labels_per_class` images per class of their shard as labeled images (partly labeled sites). The images
+    come from `source` (default: the bundled demo subset); a source without a test set gives `test_per_class`
+    images per class of its pool to the test set (default 100)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    train, test = load_demo("train"), load_demo("test")
-    test = _stratified(test, test_per_class, seed)
+    source = source or load_source("demo")
+    train, test = source.train, source.test
+    if test is None:  # held out from the pool before anything else is drawn from it
+        test_idx, keep_idx = split_labeled_per_class(train.labels.numpy(), test_per_class or 100, seed + 7)
+        train, test = train.subset(np.sort(keep_idx)), train.subset(np.sort(test_idx))
+    else:
+        test = _stratified(test, test_per_class, seed)
     labeled_idx, rest_idx = split_labeled_per_class(train.labels.numpy(), labels_per_class, seed)
     rng = np.random.default_rng(seed)
     validation = None
@@ -107,10 +208,10 @@ def stage_federation(
     ca_dir = root / "pki" / "ca"
     init_ca(ca_dir)
     issue_hub(ca_dir, root / "pki" / "hub", dns=["localhost"], ips=["127.0.0.1"])
-    save_png_folder(hub_labeled, root / "hub" / "labeled", labeled=True)
-    save_png_folder(test, root / "hub" / "test", labeled=True)
+    write_images(hub_labeled, root / "hub" / "labeled", labeled=True)
+    write_images(test, root / "hub" / "test", labeled=True)
     if validation is not None:
-        save_png_folder(validation, root / "hub" / "validation", labeled=True)
+        write_images(validation, root / "hub" / "validation", labeled=True)
 
     staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
                               ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
@@ -123,11 +224,11 @@ def stage_federation(
             picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
             rest = np.setdiff1d(np.arange(len(shard)), picked)
             labeled_dir, num_labeled = base / "labeled", len(picked)
-            save_png_folder(shard.subset(picked), labeled_dir, labeled=True)
+            write_images(shard.subset(picked), labeled_dir, labeled=True)
             shard = shard.subset(rest)
         data_dir = base / "images" if len(shard) else None
         if data_dir is not None:
-            save_png_folder(shard, data_dir, labeled=False)
+            write_images(shard, data_dir, labeled=False)
         (base / "labels.json").write_text(json.dumps([int(v) for v in shard.labels]))
         certs = issue_silo(ca_dir, name, root / "pki" / "silos" / name)
         staged.silos.append(SiloSpec(name, certs, data_dir, base / "state", base / "labels.json", len(shard),
@@ -139,7 +240,7 @@ def stage_federation(
         "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
                  "test": {"kind": "imagefolder", "path": "hub/test"},
                  **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},
-        "model": {"name": "small_cnn", "image_size": 28, "in_channels": 1},
+        "model": {"name": "small_cnn", "image_size": source.image_size, "in_channels": source.channels},
         "algorithm": {"name": "semifl", "options": {}},
         # Sampling and quorum are left to the hub's defaults (every silo, half of them), so that hub_config may set
         # either the fraction or the count key of each (setting both is an error).

@@ -1,0 +1,85 @@
+"""silo-sim's --data: the demo subset, a torchvision dataset on disk (its whole training split) or any folder of
+class sub-folders, whose files are linked into the staged federation, never re-encoded."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from silo_core.data import DataError, list_image_files
+from silo_sim.stage import load_source, stage_federation
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def colour_folder(root: Path, classes: int = 3, per_class: int = 12) -> Path:
+    """JPEGs of 32 x 32 RGB noise, one tint per class so a network can tell them apart."""
+    rng = np.random.default_rng(0)
+    for k in range(classes):
+        (root / f"class{k}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 80, (32, 32, 3), dtype=np.uint8)
+            pixels[..., k] += 170
+            Image.fromarray(pixels).save(root / f"class{k}" / f"img{i}.jpg", quality=90)
+    return root
+
+
+def test_a_folder_source_is_split_and_linked_with_the_model_input_taken_from_its_images(tmp_path) -> None:
+    folder = colour_folder(tmp_path / "photos")
+    source = load_source(str(folder))
+    assert (source.image_size, source.channels, len(source.train), source.test) == (32, 3, 36, None)
+    staged = stage_federation(tmp_path / "fed", num_silos=2, labels_per_class=2, test_per_class=3, seed=0,
+                              source=source)
+    config = yaml.safe_load(staged.hub_config.read_text())
+    assert config["model"]["image_size"] == 32 and config["model"]["in_channels"] == 3
+    by_inode = {p.stat().st_ino: p.parent.name for p in list_image_files(folder)}
+    test, labeled = list_image_files(staged.root / "hub" / "test"), list_image_files(staged.root / "hub" / "labeled")
+    assert len(test) == 9 and len(labeled) == 6
+    silo_files = [list_image_files(s.data) for s in staged.silos]
+    assert sum(map(len, silo_files)) == 36 - 9 - 6
+    # Every staged file is one of the originals (a hard link on one file system), each used once.
+    staged_inodes = [p.stat().st_ino for p in test + labeled + sum(silo_files, [])]
+    assert sorted(staged_inodes) == sorted(by_inode) and all(p.suffix == ".jpg" for p in test)
+    # A labeled copy sits in its own class's folder; a silo's labels.json tells each file's true class.
+    assert all(by_inode[p.stat().st_ino] == p.parent.name.split("_", 1)[1] for p in test + labeled)
+    for silo, files in zip(staged.silos, silo_files, strict=True):
+        truth = json.loads(silo.labels.read_text())
+        assert [f"class{k}" for k in truth] == [by_inode[p.stat().st_ino] for p in files]
+
+
+def test_bad_sources_are_refused_with_what_to_pass(tmp_path) -> None:
+    with pytest.raises(DataError, match="not a folder nor one of the known sources"):
+        load_source(str(tmp_path / "missing"))
+    (tmp_path / "flat").mkdir()
+    Image.new("L", (8, 8)).save(tmp_path / "flat" / "a.png")
+    with pytest.raises(DataError, match="needs a folder of class sub-folders"):
+        load_source(str(tmp_path / "flat"))
+    with pytest.raises(DataError, match="files not found"):
+        load_source(f"fashion-mnist:{tmp_path}")
+
+
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_the_whole_fashion_mnist_training_split_is_a_source() -> None:
+    source = load_source(f"fashion-mnist:{DATA}")
+    assert (len(source.train), len(source.test), source.image_size, source.channels) == (60000, 10000, 28, 1)
+
+
+def test_silo_sim_runs_on_an_rgb_folder_over_the_wire(tmp_path) -> None:
+    folder = colour_folder(tmp_path / "photos", per_class=16)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "silo_sim.cli", "--data", str(folder), "--silos", "2", "--workers", "1",
+         "--rounds", "1", "--labels-per-class", "3", "--test-per-class", "4", "--option", "hub_epochs=1",
+         "--option", "tau=0.0", "--option", "local_epochs=1", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"][0]["silos_reported"] == 2 and summary["rounds"][0]["silos_contributed"] == 2
+    assert 0.0 <= summary["baseline"]["test_accuracy"] <= 1.0  # the baseline read the same 32 px colour images
+    assert summary["settings"]["data"] == str(folder) and summary["settings"]["image_size"] is None
+    assert "from 48 images in 3 classes under" in " ".join(proc.stdout.split())  # the console wraps long lines
