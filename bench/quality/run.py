@@ -11,6 +11,8 @@ runs the very algorithm objects the deployment runs, in-process (silo_sim/inproc
     python bench/quality/run.py ... --out DIR --option semifl.tau=0.8   # an ablation, in its own folder
     python bench/quality/run.py ... --out DIR --width 32                # a wider small_cnn, in its own folder
     python bench/quality/run.py ... --out DIR --head flatten            # small_cnn's flatten head, likewise
+    python bench/quality/run.py --profile full --ray                    # cells as Ray tasks on a local Ray
+    python bench/quality/run.py --profile full --ray HOST:6379 --threads 4 --cell-gpus 0.5   # on a Ray cluster
 
 Writes results/<profile>/results.json (every round's metrics), table.md and curves.png.
 """
@@ -24,6 +26,7 @@ import fcntl
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,6 +52,8 @@ from silo_core.partition import make_partition, split_labeled_per_class  # noqa:
 from silo_core.rounds import records_from_json  # noqa: E402
 from silo_core.selection import BestRound  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
+from silo_server.robust import AggregationSection  # noqa: E402
+from silo_sim.attacks import PoisonedSilo  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
 from silo_sim.inprocess import replay_staged, run_inprocess, run_silo_sim  # noqa: E402
 
@@ -164,7 +169,10 @@ def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
              model: str = "small_cnn", model_options: dict[str, Any] | None = None,
-             init_weights: Path | None = None) -> dict[str, Any]:
+             init_weights: Path | None = None, aggregation: AggregationSection | None = None, attackers: int = 0,
+             attack: str = "sign_flip") -> dict[str, Any]:
+    """One cell. `aggregation` is hub.yaml's aggregation section (default: the mean); `attackers`: the first K
+    silos poison their updates with `attack` (silo_sim/attacks.py; bench/quality/robustness.py)."""
     entry = get_algorithm(method)
     options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
@@ -182,6 +190,8 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
     if init_weights is not None:  # as the hub app does for model.init_weights: the starting model of the hub half
         hub.initial_weights = read_weights(init_weights)
     silo = entry.silo(options, spec, device) if entry.silo is not None else None
+    if attackers and silo is not None:
+        silo = PoisonedSilo(silo, attack, only={f"silo-{i:03d}" for i in range(attackers)})
     silos = []
     for i, part in enumerate(parts):
         idx = rest[part]
@@ -210,7 +220,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
 
     started = time.time()
     _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state,
-                               validate=validate_state)
+                               validate=validate_state, **({"aggregation": aggregation} if aggregation else {}))
     final = history[-1]
     selected = evaluate(best_model["model"], test.images, test.labels, spec.mean, spec.std, device)
     return {"method": method, "partition": partition, "seed": seed, "final_accuracy": final.scores.test_accuracy,
@@ -387,6 +397,74 @@ def previous_cells(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]
     return list(previous.get("cells", []))
 
 
+def load_data(data_root: Path, profile: Profile):
+    """The training set and the profile's test set (stratified to test_limit), from torchvision's files."""
+    train = load_torchvision("FashionMNIST", data_root, True, 28, 1)
+    test = load_torchvision("FashionMNIST", data_root, False, 28, 1)
+    if profile.test_limit is not None:
+        idx, _ = split_labeled_per_class(test.labels.numpy(), profile.test_limit // len(test.classes), 0)
+        test = test.subset(np.sort(idx))
+    return train, test
+
+
+def ray_cell(script: str, method: str, partition: str, seed: int, profile: dict[str, Any], data_root: str,
+             device: str, threads: int, model: str, model_options: dict[str, Any], init_weights: str | None
+             ) -> dict[str, Any]:
+    """One cell as a Ray task: this script imported from its path in the Ray worker (so nothing of the driver's
+    __main__ travels), its data read from data_root there, the cell run as without Ray."""
+    import importlib.util
+
+    bench = sys.modules.get("silokit_bench_quality")
+    if bench is None:  # once per Ray worker process
+        spec = importlib.util.spec_from_file_location("silokit_bench_quality", script)
+        bench = sys.modules["silokit_bench_quality"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    torch.set_num_threads(threads)
+    chosen = bench.Profile(**profile)
+    train, test = bench.load_data(Path(data_root), chosen)
+    cell = bench.run_cell(method, partition, seed, chosen, train, test, resolve_device(device), model, model_options,
+                          Path(init_weights) if init_weights else None)
+    cell["machine"] = bench.machine()
+    return cell
+
+
+def run_cells_on_ray(address: str | None, keys: list[tuple[str, str, int]], args: argparse.Namespace,
+                     profile: Profile, model_options: dict[str, Any], finished) -> None:
+    """Run the cells as Ray tasks, one cell a task requesting --threads CPUs and --cell-gpus GPUs; `finished` gets
+    each cell as it comes back (in any order). `address` None: a local Ray sized to this machine, stopped after."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit('--ray needs Ray: pip install -e ".[ray]"') from None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = {"log_to_driver": False, "logging_level": "warning"}
+    temp_dir = None
+    if address:
+        ray.init(address=address, **quiet)
+    else:
+        temp_dir = tempfile.mkdtemp(prefix="bench-ray-")  # short: Ray's sockets live here
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=temp_dir,
+                 _node_ip_address="127.0.0.1", **quiet)
+    try:
+        gpus = args.cell_gpus if args.cell_gpus is not None else (1.0 if args.device.startswith("cuda") else 0.0)
+        task = ray.remote(ray_cell).options(num_cpus=args.threads, num_gpus=gpus, max_retries=0)
+        settings = {k: copy.deepcopy(v) for k, v in profile.__dict__.items()}
+        pending = {task.remote(str(Path(__file__).resolve()), method, part, seed, settings, str(args.data_root),
+                               args.device, args.threads, args.model, model_options,
+                               str(args.init_weights.resolve()) if args.init_weights else None): (method, part, seed)
+                   for method, part, seed in keys}
+        print(f"{len(pending)} cells queued as Ray tasks ({args.threads} CPUs, {gpus:g} GPUs each) on "
+              f"{ray.cluster_resources().get('CPU', 0):g} CPUs", flush=True)
+        while pending:
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            pending.pop(ready)
+            finished(ray.get(ready))
+    finally:
+        ray.shutdown()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def cell_key(cell: dict[str, Any]) -> tuple[str, str, int]:
     return cell["method"], cell["partition"], cell["seed"]
 
@@ -460,11 +538,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", choices=list(HEADS), help="small_cnn's classifier head (default pool: average over the "
                    "last feature maps; flatten: every position of them); needs --out")
     p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads per cell (default: every core); with --ray, the CPUs each cell's task requests")
+    p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run the cells as Ray tasks, one cell a task: on the Ray cluster at ADDRESS, or without it on "
+                        'a local Ray started and stopped here (the ray extra: pip install -e ".[ray]")')
+    p.add_argument("--cell-gpus", type=float, metavar="N",
+                   help="with --ray: GPUs each cell's task requests (fractions allowed; default 1 with --device "
+                        "cuda, else 0)")
     p.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
                    help="change one method's option for this run (repeatable); needs --out")
     args = p.parse_args(argv)
     overrides = parse_option_overrides(args.option)
+    if args.cell_gpus is not None and (args.ray is None or args.cell_gpus < 0):
+        p.error(f"--cell-gpus {args.cell_gpus:g}: 0 or more, with --ray")
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: at least 1")
     if args.width is not None and (args.model != "small_cnn" or args.width < 1):
         p.error(f"--width {args.width}: a positive channel width, for --model small_cnn only")
     if args.head is not None and args.model != "small_cnn":
@@ -507,12 +596,6 @@ def main(argv: list[str] | None = None) -> int:
             write_table(out, saved["cells"], saved["profile"], saved["machine"])
             plot_curves(saved["cells"], out / "curves.png")
         return 0
-    device = resolve_device(args.device)
-    train = load_torchvision("FashionMNIST", args.data_root, True, 28, 1)
-    test = load_torchvision("FashionMNIST", args.data_root, False, 28, 1)
-    if profile.test_limit is not None:
-        idx, _ = split_labeled_per_class(test.labels.numpy(), profile.test_limit // len(test.classes), 0)
-        test = test.subset(np.sort(idx))
     methods = args.methods or profile.methods
     unavailable = [m for m in methods if m not in ALGORITHMS]
     methods = [m for m in methods if m in ALGORITHMS]
@@ -532,26 +615,42 @@ def main(argv: list[str] | None = None) -> int:
         with results_lock(results_path):
             results_path.unlink(missing_ok=True)
     cells = [c for c in previous_cells(results_path, settings) if keep(c)]
-    for part in partitions:
-        for method in methods:
-            seeds = profile.headline_seeds if part == "iid" else profile.seeds
-            for seed in seeds:
-                # Runs sharing this folder share its queue: skip what another run finished or is training.
-                with results_lock(results_path):
-                    done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
-                    claim = claim_cell(out, (method, part, seed), done)
-                if claim is None:
-                    continue
-                try:
-                    cell = run_cell(method, part, seed, profile, train, test, device, args.model, model_options,
-                                    args.init_weights)
-                    cell["machine"] = info
-                    cells.append(cell)
-                    print(f"{part:8s} {method:16s} seed {seed}: {100 * cell['final_accuracy']:.2f}% "
-                          f"({cell['seconds']:.0f}s)", flush=True)
-                    save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
-                finally:
-                    claim.unlink(missing_ok=True)
+
+    def finished(cell: dict[str, Any]) -> None:
+        cell.setdefault("machine", info)  # a Ray task records the machine it ran on
+        cells.append(cell)
+        print(f"{cell['partition']:8s} {cell['method']:16s} seed {cell['seed']}: "
+              f"{100 * cell['final_accuracy']:.2f}% ({cell['seconds']:.0f}s)", flush=True)
+        save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
+
+    todo = [(method, part, seed) for part in partitions for method in methods
+            for seed in (profile.headline_seeds if part == "iid" else profile.seeds)]
+    if args.ray is not None:
+        # Every cell not finished nor trained by another run sharing this folder is claimed at once and handed
+        # to Ray, which runs as many side by side as the cluster's CPUs/GPUs hold.
+        with results_lock(results_path):
+            done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
+            claims = {key: claim for key in todo if (claim := claim_cell(out, key, done)) is not None}
+        try:
+            if claims:
+                run_cells_on_ray(args.ray or None, list(claims), args, profile, model_options, finished)
+        finally:
+            for claim in claims.values():
+                claim.unlink(missing_ok=True)
+    else:
+        device = resolve_device(args.device)
+        train, test = load_data(args.data_root, profile)
+        for key in todo:
+            # Runs sharing this folder share its queue: skip what another run finished or is training.
+            with results_lock(results_path):
+                done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
+                claim = claim_cell(out, key, done)
+            if claim is None:
+                continue
+            try:
+                finished(run_cell(*key, profile, train, test, device, args.model, model_options, args.init_weights))
+            finally:
+                claim.unlink(missing_ok=True)
     cells = save_results(results_path, args.profile, settings, info, unavailable, cells, keep)
     table = write_table(out, cells, args.profile, info, unavailable)
     plot_curves(cells, out / "curves.png")
