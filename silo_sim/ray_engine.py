@@ -96,6 +96,9 @@ def check_engine_args(args) -> None:
         return
     import_ray()
     cpus, gpus = args.silo_cpus, args.silo_gpus
+    if args.device.startswith("cuda") and not gpus:
+        raise ValueError(f"--device {args.device} with --engine ray: give each silo host a GPU share, e.g. "
+                         "--silo-gpus 0.25 (Ray places actors by what they request)")
     if (cpus is not None and cpus < 0) or (gpus is not None and gpus < 0):
         raise ValueError("--silo-cpus and --silo-gpus must be 0 or more")
     if cpus == 0 and not gpus:
@@ -139,19 +142,22 @@ class RaySiloHosts:
         ray = self._ray = import_ray()
         # A local Ray turns its token authentication on by default and says so at every start: keep it on, quietly.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING,
-                 "configure_logging": True}
+        quiet = {"log_to_driver": False, "logging_level": logging.WARNING}  # the actors log to logs/actor-N.log
         if self.address:
-            ray.init(address=self.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+            ray.init(address=self.address, **quiet)
         else:
             # A short temp dir of our own (Ray's sockets live there and their paths have a length limit), removed
             # at the end; the node on loopback only.
             self._temp_dir = tempfile.mkdtemp(prefix="silo-ray-")
-            ray.init(num_cpus=os.cpu_count() or 1, _temp_dir=self._temp_dir, _node_ip_address="127.0.0.1",
-                     **quiet)  # GPUs: Ray counts this machine's own
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=self._temp_dir,
+                     _node_ip_address="127.0.0.1", **quiet)  # GPUs: Ray counts this machine's own
         return dict(ray.cluster_resources())
 
     def start(self, specs: list[dict[str, Any]]) -> None:
+        if not self.silo_gpus:
+            # Ray leaves the GPUs visible to an actor that asked for none: keep its silos off them (the cluster's
+            # GPU accounting would not see them).
+            specs = [{**spec, "device": "cpu"} if spec.get("device", "auto") == "auto" else spec for spec in specs]
         self.shares = [HostedShare(i, spec) for i, spec in enumerate(specs)]
         for share in self.shares:
             self._launch(share)
@@ -228,9 +234,6 @@ class RaySiloHosts:
     def alive(self) -> bool:
         """Whether any actor is still hosting silos."""
         return any(s.results is None and not s.dead for s in self.shares)
-
-    def failed_silos(self) -> list[str]:
-        return sorted(name for s in self.shares for name, rc in (s.results or {}).items() if rc != 0)
 
     def wait(self, timeout: float) -> None:
         """Give the actors up to `timeout` seconds to finish on their own (their silos were told the run is done)."""

@@ -1,0 +1,39 @@
+"""The Ray engine's sizing and flag checks (silo_sim/ray_engine.py), without starting Ray."""
+
+import pytest
+
+from silo_sim.cli import build_parser
+from silo_sim.ray_engine import actor_count, check_engine_args
+
+
+def test_actors_fill_the_cluster_at_one_silos_request_capped_at_the_silos():
+    assert actor_count({"CPU": 16.0}, silos=100, silo_cpus=1, silo_gpus=0, workers=None) == 16
+    assert actor_count({"CPU": 16.0}, silos=100, silo_cpus=2, silo_gpus=0, workers=None) == 8
+    assert actor_count({"CPU": 16.0}, silos=6, silo_cpus=1, silo_gpus=0, workers=None) == 6
+    # GPUs bound it when each silo asks for some: 2 GPUs at a quarter each hold 8 actors, though 16 CPUs hold 16.
+    assert actor_count({"CPU": 16.0, "GPU": 2.0}, silos=100, silo_cpus=1, silo_gpus=0.25, workers=None) == 8
+    assert actor_count({"CPU": 16.0, "GPU": 2.0}, silos=100, silo_cpus=0, silo_gpus=0.5, workers=None) == 4
+    # A cluster too small for one silo's request still gets one actor (Ray then waits for room and says so).
+    assert actor_count({"CPU": 1.0}, silos=10, silo_cpus=4, silo_gpus=0, workers=None) == 1
+    assert actor_count({"CPU": 16.0}, silos=10, silo_cpus=1, silo_gpus=0, workers=3) == 3
+    assert actor_count({"CPU": 16.0}, silos=2, silo_cpus=1, silo_gpus=0, workers=5) == 2
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ray-address", "127.0.0.1:6379"], "--ray-address only apply to Ray actors: add --engine ray"),
+    (["--silo-cpus", "2", "--silo-gpus", "1"], "--silo-cpus, --silo-gpus only apply to Ray actors: add --engine ray"),
+    (["--engine", "ray", "--silo-gpus", "-1"], "--silo-cpus and --silo-gpus must be 0 or more"),
+    (["--engine", "ray", "--silo-cpus", "0"], "--silo-cpus 0 with no --silo-gpus would request nothing"),
+    (["--engine", "ray", "--device", "cuda"], "--device cuda with --engine ray: give each silo host a GPU share"),
+])
+def test_bad_engine_flags_are_named(flags, message):
+    if "--engine" in flags:
+        pytest.importorskip("ray")  # --engine ray checks that Ray is there first
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_engine_args(build_parser().parse_args(flags))
+
+
+def test_good_engine_flags_pass():
+    check_engine_args(build_parser().parse_args([]))
+    pytest.importorskip("ray")
+    check_engine_args(build_parser().parse_args(["--engine", "ray", "--silo-cpus", "0", "--silo-gpus", "0.5"]))
