@@ -97,12 +97,15 @@ class TaskIntake:
 
     def _task_of(self, silo_id: str, task_id: str, receiving: bool = False) -> ActiveTask:
         """The open task `task_id` names, if this silo has a part in it: sampled, or (`receiving`, a download) a
-        silo the round's model is broadcast to."""
+        silo the round's model is broadcast to. Such a silo may still download while the round is aggregated: it
+        was told RECEIVE when the round opened, but a busy silo host (silo-sim's, say) can get to it only after the
+        sampled silos have reported."""
         t = self.rounds.task
-        if t is None or t.task_id != task_id or not t.open:
+        receiver = receiving and t is not None and t.broadcast is not None and silo_id not in t.sampled
+        if t is None or t.task_id != task_id or not (t.open or (receiver and not t.broadcast.closed)):
             raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
                                        f"task {task_id} is not the current open task (round over or replaced)")
-        if silo_id not in t.sampled and not (receiving and t.broadcast is not None):
+        if silo_id not in t.sampled and not receiver:
             raise self.registry.refuse(silo_id, "PERMISSION_DENIED", "not_sampled",
                                        f"silo {silo_id} was not sampled for round {t.round}")
         return t

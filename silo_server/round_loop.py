@@ -39,6 +39,7 @@ class Broadcast:
 
     received: set[str] = field(default_factory=set)  # silos that downloaded it without being sampled
     bytes_down: int = 0
+    closed: bool = False  # the round's record is written: no more downloads (they would go uncounted)
 
 
 @dataclass
@@ -437,7 +438,10 @@ class RoundLoop:
             dp=private.dp if private is not None else None, secagg=private.secagg if private is not None else None,
             aggregation=decision, algorithm=dict(metrics))
         if task is not None:
-            record = with_silos(record, task)
+            with self.cond:
+                if task.broadcast is not None:
+                    task.broadcast.closed = True
+                record = with_silos(record, task)
         self.records.history.append(record)
         self.failed_attempts = 0
         saving_started = time.time()

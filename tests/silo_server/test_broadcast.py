@@ -2,10 +2,12 @@
 out of the sample get RECEIVE, may download but not upload, are not waited for, and their downloads are counted."""
 
 import dataclasses
+import threading
 
 import pytest
 
 from silo_server.hub import Hub, Refusal
+from tests.conftest import wait_for
 from tests.silo_server.test_hub import MeanOfSilos, result, start_round, upload, wait_task
 
 # test_hub.make_hub's settings, with a deadline no round here comes near: a round that waited for a silo outside
@@ -82,3 +84,38 @@ def test_without_broadcast_a_silo_outside_the_sample_waits_and_may_not_download(
     record = hub.history[-1]
     assert record.silos_received is None and record.bytes_down_received is None
     assert record.bytes_down == 2 * len(bundle)
+
+
+class HeldAggregation(BroadcastingMean):
+    """Broadcasts, and holds finish_round until the test lets it go: the round's aggregation phase, made long."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def finish_round(self, state, summed, metrics):
+        assert self.release.wait(30)
+        return super().finish_round(state, summed, metrics)
+
+
+def test_a_receiver_may_still_download_while_the_round_aggregates_and_is_counted(tmp_path):
+    algorithm = HeldAggregation()
+    hub = two_of_four(tmp_path, algorithm)
+    thread, out = start_round(hub)
+    views = {s: hub.next_task(s, hub.run_id, wait_s=5) for s in "abcd"}
+    task = hub.task
+    late, never = sorted(set("abcd") - task.sampled)
+    for s in sorted(task.sampled):
+        upload(hub, s, views[s], result(1.0))
+    wait_for(lambda: hub.rounds.phase == "aggregating", 10, "the round to aggregate", poll=0.02)
+    assert views[late].kind == "RECEIVE" and hub.download(late, hub.run_id, views[late].task_id) == task.bundle
+    with pytest.raises(Refusal) as refused:  # a sampled silo's chance to download ended with the training phase
+        hub.download(sorted(task.sampled)[0], hub.run_id, task.task_id)
+    assert refused.value.reason == "stale_task"
+    algorithm.release.set()
+    thread.join(30)
+    record = hub.history[-1]
+    assert record.silos_received == 1 and record.bytes_down_received == len(task.bundle)
+    with pytest.raises(Refusal) as refused:  # once the round's record is written, nothing more goes out
+        hub.download(never, hub.run_id, views[never].task_id)
+    assert refused.value.reason == "stale_task"
