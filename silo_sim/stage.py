@@ -29,7 +29,7 @@ import torch
 import yaml
 from PIL import Image
 
-from security.pki import init_ca, issue_hub, issue_silo
+from security.pki import init_ca, issue_hub, issue_silos
 from silo_core.data import (
     TORCHVISION_DATASETS,
     DataError,
@@ -230,9 +230,9 @@ def stage_federation(
         if data_dir is not None:
             write_images(shard, data_dir, labeled=False)
         (base / "labels.json").write_text(json.dumps([int(v) for v in shard.labels]))
-        certs = issue_silo(ca_dir, name, root / "pki" / "silos" / name)
-        staged.silos.append(SiloSpec(name, certs, data_dir, base / "state", base / "labels.json", len(shard),
-                                     labeled_dir, num_labeled))
+        staged.silos.append(SiloSpec(name, root / "pki" / "silos" / name, data_dir, base / "state",
+                                     base / "labels.json", len(shard), labeled_dir, num_labeled))
+    issue_silos(ca_dir, [(s.name, s.certs) for s in staged.silos])  # one pass over the CA's inventory
 
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},

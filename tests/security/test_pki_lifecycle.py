@@ -386,3 +386,29 @@ def test_two_concurrent_issues_of_the_same_name_one_wins_one_is_refused(ca: Path
     assert err.count("\n") == 1 and "--replace" in err
     assert not loser.exists()
     assert [(e.name, e.serial) for e in pki.load_inventory(ca)] == [("silo-001", _hex(winner))]
+
+
+def test_issuing_many_silos_at_once_reads_and_writes_the_inventory_once(tmp_path, monkeypatch) -> None:
+    from security import pki
+
+    ca = tmp_path / "ca"
+    pki.init_ca(ca)
+    saves = []
+    real_save = pki._save_inventory
+    monkeypatch.setattr(pki, "_save_inventory", lambda d, e: (saves.append(len(e)), real_save(d, e))[1])
+    bundles = [(f"branch-{i:02d}", tmp_path / "silos" / f"branch-{i:02d}") for i in range(12)]
+    assert pki.issue_silos(ca, bundles) == [out for _, out in bundles]
+    assert saves == [12]  # one write for all twelve (one each made staging 1,000 silos quadratic)
+    inventory = pki.load_inventory(ca)
+    assert [e.name for e in inventory] == [name for name, _ in bundles]
+    assert len({e.serial for e in inventory}) == 12
+    ca_cert = x509.load_pem_x509_certificate((ca / pki.CA_CERT).read_bytes())
+    for name, out in bundles:  # each bundle holds its own identity, signed by the CA, as issue_silo writes it
+        cert = x509.load_pem_x509_certificate((out / pki.BUNDLE_CERT).read_bytes())
+        assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == name
+        cert.verify_directly_issued_by(ca_cert)
+        assert (out / pki.BUNDLE_KEY).stat().st_mode & 0o777 == 0o600
+    # A name already live is refused like issue_silo refuses it; what was issued before it stays inventoried.
+    with pytest.raises(pki.PkiError, match="already holds a live certificate"):
+        pki.issue_silos(ca, [("branch-new", tmp_path / "silos" / "branch-new"), bundles[0]])
+    assert [e.name for e in pki.load_inventory(ca)][-1] == "branch-new"
