@@ -169,7 +169,8 @@ class RaySiloHosts:
     def _launch(self, share: HostedShare) -> None:
         ray = self._ray
         actor_class = ray.remote(SiloHost)
-        share.actor = actor_class.options(num_cpus=self.silo_cpus, num_gpus=self.silo_gpus, max_concurrency=2).remote(str(self.logs / f"actor-{share.index}.log"))
+        share.actor = actor_class.options(num_cpus=self.silo_cpus, num_gpus=self.silo_gpus, max_concurrency=2
+                                          ).remote(str(self.logs / f"actor-{share.index}.log"))
         share.run_ref = share.actor.run.remote(share.spec)
 
     def _write_actors_file(self) -> None:
