@@ -22,12 +22,16 @@ SMALL = ["--silos", "6", "--workers", "2", "--rounds", "2", "--labels-per-class"
          "--no-baseline"]
 
 
-def run_sim(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict, Path]:
-    work, out = tmp_path / name / "work", tmp_path / name / "out"
-    proc = subprocess.run([sys.executable, "-m", "silo_sim.cli", *SMALL, *extra, "--workdir", str(work),
-                           "--out", str(out)], capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads((out / "summary.json").read_text()), work
+def start_sim(processes, tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+    return processes.start(name, "-m", "silo_sim.cli", *SMALL, *extra, "--workdir", str(tmp_path / name / "work"),
+                           "--out", str(tmp_path / name / "out"))
+
+
+def finished_sim(processes, sim: subprocess.Popen, tmp_path: Path) -> tuple[str, dict, Path]:
+    """The sim's output, its summary.json and its workdir, once it exited 0."""
+    assert sim.wait(timeout=400) == 0, processes.log(sim.name)[-3000:]
+    summary = json.loads((tmp_path / sim.name / "out" / "summary.json").read_text())
+    return processes.log(sim.name), summary, tmp_path / sim.name / "work"
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -54,8 +58,12 @@ def assert_ray_gone(work: Path) -> dict:
     return hosts
 
 
-def test_ray_actors_host_every_silo_over_mtls_and_match_the_worker_pool(tmp_path):
-    ray_proc, ray_run, work = run_sim(tmp_path, "ray", "--engine", "ray")
+def test_ray_actors_host_every_silo_over_mtls_and_match_the_worker_pool(tmp_path, processes):
+    # Both engines at once (each host on one thread either way, so sharing the cores changes no number): the
+    # suite waits for the longer run only.
+    ray_sim = start_sim(processes, tmp_path, "ray", "--engine", "ray")
+    pool_sim = start_sim(processes, tmp_path, "workers")
+    ray_output, ray_run, work = finished_sim(processes, ray_sim, tmp_path)
     hosts = assert_ray_gone(work)
     # Two actors share the six silos as two worker processes would; each silo joined with its own certificate.
     assert [a["silos"] for a in hosts["actors"]] == [["silo-001", "silo-003", "silo-005"],
@@ -71,11 +79,12 @@ def test_ray_actors_host_every_silo_over_mtls_and_match_the_worker_pool(tmp_path
     for i in (0, 1):  # the actors' own logs, in the sim's logs folder: three silos each, every round trained
         actor_log = (work / "logs" / f"actor-{i}.log").read_text()
         assert actor_log.count("2 rounds contributed") == 3
-    assert "Token authentication" not in ray_proc.stdout + ray_proc.stderr  # Ray kept quiet
+    assert "Token authentication" not in ray_output  # Ray kept quiet
 
     # The worker pool with the same seeds: the same numbers, not merely close (same kernels, same thread count
     # per host, the same silos per host, float64 sums at the hub).
-    _, pool_run, _ = run_sim(tmp_path, "workers")
+    _, pool_run, pool_work = finished_sim(processes, pool_sim, tmp_path)
+    assert sorted(p.name for p in (pool_work / "logs").iterdir()) == ["hub.log", "worker-0.log", "worker-1.log"]
     assert len(ray_run["rounds"]) == len(pool_run["rounds"]) == 2
     for ray_round, pool_round in zip(ray_run["rounds"], pool_run["rounds"], strict=True):
         for key in ("test_accuracy", "test_loss", "hub_loss", "silo_train_loss", "pseudo_label_accuracy"):
