@@ -90,6 +90,10 @@ class SiloSettings:
     connect_timeout_s: float = 300.0  # give up when the hub has been unreachable this long (0: never)
     tls_refused_grace_s: float = 30.0  # ...or when the TLS handshake has been refused for certain this long
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
+    # Simulation only: poison this silo's results after honest training (silo_sim/attacks.py: sign_flip or noise),
+    # to measure hub.yaml aggregation.rule. silo-sim sets it on its attacking silos; silo-client has no flag for
+    # it: a real branch never poisons.
+    sim_attack: str | None = None
     name: str = ""  # for log lines; identity itself comes from the certificate
     labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
     # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
@@ -352,6 +356,11 @@ class SiloClient:
         options = entry.options.model_validate(json.loads(run.algorithm_options_json or "{}"))
         self._check_model(run)
         self.algorithm = entry.silo(options, model_spec_of(run), self.device)
+        if self.s.sim_attack is not None:
+            from silo_sim.attacks import PoisonedSilo  # simulation only (see SiloSettings.sim_attack)
+
+            self.algorithm = PoisonedSilo(self.algorithm, self.s.sim_attack)
+            self.log.warning("SIMULATED ATTACK: this silo poisons its results (%s)", self.s.sim_attack)
 
     def _load(self, run: silo_pb2.RunDescription) -> SiloData:
         empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)

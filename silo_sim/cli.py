@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first K silos are partly labeled (HASSLE trains on their labels; default 0)")
     p.add_argument("--silo-labels-per-class", type=int, default=5, metavar="N",
                    help="labeled images per class kept by each partly labeled silo (default 5)")
+    p.add_argument("--attackers", type=int, default=0, metavar="K",
+                   help="simulation only: the first K silos poison their updates after honest training, to measure "
+                        "hub.yaml aggregation.rule (default 0; see --attack)")
+    p.add_argument("--attack", default="sign_flip", metavar="KIND",
+                   help="with --attackers: sign_flip sends -10 x the honest model change, noise a Gaussian model "
+                        "change of deviation 1 per weight (silo_sim/attacks.py; default sign_flip)")
     p.add_argument("--validation-per-class", type=int, default=None, metavar="N",
                    help="held-out labeled validation images per class at the hub: the hub scores every round on "
                         "them and keeps the best round's model (best_model.safetensors); staged with 20 per class "
@@ -238,6 +244,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
     logs = staged.root / "logs"
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
     started = time.time()
     if not getattr(args, "needs_silos", True):
         workers = 0  # a hub-only algorithm (server-only): no silo has anything to do
@@ -271,7 +278,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                 "watched": bool(getattr(args, "prometheus_targets", None)),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
-                           "labels": str(s.labels)} for s in staged.silos[w::workers]],
+                           "labels": str(s.labels), "attack": attacks.get(s.name)} for s in staged.silos[w::workers]],
             }
             spec_path = staged.root / f"worker-{w}.json"
             spec_path.write_text(json.dumps(spec))
@@ -446,12 +453,18 @@ def main(argv: list[str] | None = None) -> int:
     workdir = None
     try:
         from silo_core.algorithms import get_algorithm
+        from silo_sim.attacks import check_attack
         from silo_sim.stage import stage_federation
 
         entry = get_algorithm(args.algorithm)
         args.needs_silos = entry.hub.needs_silos
         if args.silos < 1:
             raise ValueError("--silos must be at least 1")
+        if args.attackers < 0 or args.attackers > args.silos:
+            raise ValueError(f"--attackers must be between 0 and --silos ({args.silos}), got {args.attackers}")
+        if args.attackers and not entry.hub.needs_silos:
+            raise ValueError(f"--attackers needs silos, and {args.algorithm} runs at the hub alone")
+        check_attack(args.attack, "--attack")
         if args.labeled_silos < 0 or args.labeled_silos > args.silos:
             raise ValueError("--labeled-silos must be between 0 and --silos")
         from silo_sim.ray_engine import check_engine_args  # imports Ray only for --engine ray

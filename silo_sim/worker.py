@@ -57,6 +57,7 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
+                sim_attack=entry.get("attack"),
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             results[name] = client.run_forever()
