@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import io
 import logging
 import sys
 
@@ -44,6 +45,11 @@ def share_malloc_arenas() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The plan and results go to stdout, logs and errors to stderr. Piped (2>&1, tee, the systemd journal) stdout
+    # is block-buffered while stderr writes each line at once, so an error came out before the plan lines printed
+    # ahead of it: each stdout line goes out when printed instead.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     quiet_grpc_core(args.verbose)  # before anything imports grpc
     from security.tls import TlsError
     share_malloc_arenas()

@@ -1,11 +1,13 @@
 """Bad input at the hub: one clear line naming the key or file, exit code 2, no traceback."""
 
+import os
 import subprocess
 import sys
 
 import yaml
 
 from security.pki import init_ca, issue_hub
+from tests.silo_client.test_cli_errors import write_images
 
 
 def run_server(*args):
@@ -58,3 +60,46 @@ def test_check_mode_validates_without_serving(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "model selection: 20 validation images score every round" in proc.stdout
+
+
+def late_error_federation(tmp_path):
+    """A hub.yaml whose fault is found late: after the hub has logged (an unreadable labeled image) and, under
+    --check, printed its plan: the newest checkpoint is damaged."""
+    init_ca(tmp_path / "ca")
+    issue_hub(tmp_path / "ca", tmp_path / "hub")
+    for label in ("a", "b"):
+        write_images(tmp_path / "labeled" / label)
+    (tmp_path / "labeled" / "a" / "broken.png").write_bytes(b"not a png")
+    damaged = tmp_path / "state" / "checkpoints" / "round-1"
+    damaged.mkdir(parents=True)
+    (damaged / "state.json").write_text("{}")  # and no tensors file
+    (tmp_path / "state" / "checkpoints" / "LATEST").write_text("round-1")
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"labeled": {"kind": "imagefolder", "path": "labeled"}},
+                                   "server": {"certs": "hub", "host": "127.0.0.1", "port": 0},
+                                   "run": {"state_dir": "state", "device": "cpu"}}))
+    return cfg
+
+
+def merged_output(*args):
+    """stdout and stderr into one pipe, as a terminal log, `2>&1 | tee` or the systemd journal takes them, with
+    Python's default buffering (PYTHONUNBUFFERED unset: it would hide a stream that is written out of order)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-m", "silo_server.cli", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120, env=env)
+    return proc.returncode, proc.stdout
+
+
+def test_a_late_error_is_a_whole_last_line_after_everything_logged_and_printed_before_it(tmp_path):
+    cfg = late_error_federation(tmp_path)
+    for mode in (["--check"], []):
+        rc, out = merged_output("--config", str(cfg), *mode)
+        assert rc == 2 and out.endswith("\n"), out
+        lines = out.splitlines()
+        errors = [i for i, line in enumerate(lines) if "error:" in line]
+        assert errors == [len(lines) - 1], out  # one error line, the last one ...
+        assert lines[-1].startswith("error: no checkpoint in") and "state.safetensors is missing" in lines[-1]
+        logged = [i for i, line in enumerate(lines) if "WARNING silo_server: 1 unreadable images skipped" in line]
+        assert len(logged) == 1, out  # ... after the log line written before it was found
+        if mode:  # and after the plan --check printed before it (on stdout)
+            assert any(line.startswith("config OK: 6 labeled images in 2 classes") for line in lines), out
