@@ -187,6 +187,28 @@ def rehearse(spec: ModelSpec, data: SiloData, device: torch.device, batch_size: 
                         f"or pass --device cpu") from None
 
 
+class ProcessChecks:
+    """Start-up checks whose outcome depends on the run and on this process (its libraries, its device), not on
+    which silo asks: the architecture fingerprint and the rehearsal. One silo-client process pays them once, as
+    before; a silo-sim host with hundreds of silos pays them once instead of once a silo (at 1,000 silos they were
+    a third of the time to round 1). A failed check is not remembered: every silo that tries it fails alike."""
+
+    def __init__(self) -> None:
+        self._passed: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def once(self, key: tuple, check: Callable[[], None]) -> None:
+        with self._lock:
+            if key in self._passed:
+                return
+        check()
+        with self._lock:
+            self._passed.add(key)
+
+
+PROCESS_CHECKS = ProcessChecks()
+
+
 def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     details = (err.details() or "").replace("\n", " ")
     if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -312,7 +334,9 @@ class SiloClient:
         if self.data is None or self.data_key != data_key(run):
             self.data, self.data_key = self._load(run), data_key(run)
             self._set_up(run)
-            rehearse(self.algorithm.model_spec, self.data, self.device)
+            spec = self.algorithm.model_spec
+            PROCESS_CHECKS.once(("rehearse", repr(spec), str(self.device)),
+                                lambda: rehearse(spec, self.data, self.device))
             run = self._announce(preparing=False)  # with the counts of the images that did load
         self._set_up(run)  # again: the run may have been replaced (a hub restart) while this silo prepared
         self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
@@ -338,7 +362,8 @@ class SiloClient:
             return
         check_model_allowed(run, self.s.model_factories)
         try:
-            check_architecture(run, model_spec_of(run))
+            PROCESS_CHECKS.once(("architecture", run.SerializeToString(deterministic=True)),
+                                lambda: check_architecture(run, model_spec_of(run)))
         except ValueError as err:  # the factory cannot be imported or built here
             raise SiloError(f"cannot build the run's model here: {err}") from None
         self.model_checked_for = run.run_id
