@@ -221,7 +221,7 @@ class RoundRecord:
     evaluation_seconds: float | None = None  # scoring on the validation split and test set
     silo_train_seconds: float | None = None  # mean local training time of the reporting silos
     # writing the round's checkpoint (after round_seconds ends); history.json has it, the checkpoint's own copy
-    # of its round cannot (it is written before the time is known), so a resumed hub's last round lacks it
+    # of its round cannot (it is written before the time is known): a resumed hub takes it from history.json
     checkpoint_seconds: float | None = None
     silo_train_loss: float | None = None  # mean local training loss of the contributing silos
     # memory

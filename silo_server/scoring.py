@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,25 @@ class RunRecords:
         state, info = loaded
         declared = {str(k): int(v) for k, v in (info.get("declared_images") or {}).items()
                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
-        self.history = records_from_json(info.get("history", []))
+        self.history = self._with_checkpoint_times(records_from_json(info.get("history", [])))
         self.initial = Scores.from_json(info.get("initial", {}))
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
         log.info("resumed from checkpoint after round %d", state.round)
         return state, declared
+
+    def _with_checkpoint_times(self, history: list[RoundRecord]) -> list[RoundRecord]:
+        """A checkpoint cannot hold its own write time; history.json, written just after it, has it. Only that
+        timing is taken from it (the verified checkpoint stays the record of everything else)."""
+        try:
+            saved = json.loads((self.state_dir / "history.json").read_text())
+            times = {r.round: r.checkpoint_seconds for r in records_from_json(saved.get("rounds", []))}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return history
+        if saved.get("run_id") != self.run_id:
+            return history
+        return [replace(r, checkpoint_seconds=times.get(r.round)) if r.checkpoint_seconds is None else r
+                for r in history]
 
     def save(self, state: HubState, declared_images: dict[str, int]) -> None:
         history, initial = [r.to_json() for r in self.history], self.initial.to_json()
