@@ -30,16 +30,22 @@ class Refusal(Exception):
 
 class ChangeCondition(threading.Condition):
     """The hub's lock and condition variable. notify_all also calls `listeners` (under the lock: they must only
-    schedule work), so the gRPC servicer's long-polls learn of a change without a thread waiting for each silo."""
+    schedule work), so the gRPC servicer's long-polls learn of a change without a thread waiting for each silo.
+
+    A listener call wakes every waiting long-poll to ask again, so changes that cannot alter any waiting silo's
+    answer (a silo joined, a result was accepted) pass `wake_polls=False`: they wake only the hub's own waits
+    (the round loop). At 1,000 silos each wake-all cost a thousand polls, and joins and uploads made them
+    quadratic in the number of silos."""
 
     def __init__(self) -> None:
         super().__init__(threading.RLock())
         self.listeners: list[Callable[[], None]] = []
 
-    def notify_all(self) -> None:
+    def notify_all(self, wake_polls: bool = True) -> None:
         super().notify_all()
-        for listener in self.listeners:
-            listener()
+        if wake_polls:
+            for listener in self.listeners:
+                listener()
 
 
 @dataclass
@@ -162,7 +168,7 @@ class SiloRegistry:
             record.last_seen = time.time()
             record.ready = not preparing
             self.silos[silo_id] = record
-            self.cond.notify_all()
+            self.cond.notify_all(wake_polls=False)  # the round loop may be waiting for silos; no poll's answer changes
         if preparing:
             log.info("silo %s connected and is loading its images (%d unlabeled, %d labeled files); it is sampled "
                      "once it reports ready", silo_id, num_unlabeled, num_labeled)
@@ -199,7 +205,7 @@ class SiloRegistry:
             record.polling += 1
             if record.dropped:
                 record.dropped = False
-                self.cond.notify_all()
+                self.cond.notify_all(wake_polls=False)  # may be sampled again: the round loop's concern only
 
     def end_poll(self, silo_id: str) -> None:
         with self.cond:

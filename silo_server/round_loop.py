@@ -236,7 +236,7 @@ class RoundLoop:
         task.bytes_up += total_bytes
         self.registry.count("received_bytes", total_bytes)
         self.registry.count("accepted_skips" if skipped else "accepted_updates")
-        self.cond.notify_all()
+        self.cond.notify_all(wake_polls=False)  # the round loop counts reports; no waiting silo's task changes
 
     # ------------------------------------------------------------------ the loop
     def set_phase(self, phase: str) -> None:
