@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from silo_sim.attacks import PoisonedSilo
 from silo_sim.inprocess import run_inprocess
 from tests.silo_server.test_broadcast import BroadcastingMean
 from tests.silo_server.test_hub import MeanOfSilos
@@ -32,3 +33,12 @@ def test_every_silo_left_out_of_a_round_receives_its_model_when_the_hub_broadcas
     _, history = run_inprocess(MeanOfSilos(), silo, silos_with(dict.fromkeys(NAMES, 10)), rounds=3,
                                silos_per_round=0.3, seed=1, state_dir=tmp_path / "off")
     assert silo.received == {} and all(r.silos_received is None for r in history)
+
+
+def test_an_attacking_silo_still_receives_the_rounds_it_is_left_out_of(tmp_path) -> None:
+    """silo_sim/attacks.py's wrapper passes receive_model on: in process one wrapper serves every silo."""
+    silo = ReceivingSilo()
+    run_inprocess(BroadcastingMean(), PoisonedSilo(silo, "sign_flip", only=["branch-00"]),
+                  silos_with(dict.fromkeys(NAMES, 10)), rounds=2, silos_per_round=0.3, seed=1,
+                  state_dir=tmp_path)
+    assert all(sorted(silo.trained[r] + silo.received[r]) == NAMES for r in (1, 2))
