@@ -73,3 +73,16 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sim_data_cache(tmp_path_factory):
+    """silo-sim's PNG cache of in-memory datasets (silo_sim/stage.py as_files) for this test session only: shared
+    by its tests and the processes they start, never the user's ~/.cache."""
+    before = os.environ.get("SILOKIT_CACHE_DIR")
+    os.environ["SILOKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("silokit-cache"))
+    yield Path(os.environ["SILOKIT_CACHE_DIR"])
+    if before is None:
+        os.environ.pop("SILOKIT_CACHE_DIR", None)
+    else:
+        os.environ["SILOKIT_CACHE_DIR"] = before

@@ -1,6 +1,7 @@
 """silo-sim's --data: the demo subset, a torchvision dataset on disk (its whole training split) or any folder of
 class sub-folders, whose files are linked into the staged federation, never re-encoded."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -13,8 +14,6 @@ from PIL import Image
 
 from silo_core.data import DataError, list_image_files
 from silo_sim.stage import load_source, stage_federation
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def colour_folder(root: Path, classes: int = 3, per_class: int = 12) -> Path:
@@ -63,10 +62,26 @@ def test_bad_sources_are_refused_with_what_to_pass(tmp_path) -> None:
         load_source(f"fashion-mnist:{tmp_path}")
 
 
-@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
-def test_the_whole_fashion_mnist_training_split_is_a_source() -> None:
-    source = load_source(f"fashion-mnist:{DATA}")
-    assert (len(source.train), len(source.test), source.image_size, source.channels) == (60000, 10000, 28, 1)
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An unsigned-byte IDX file (the MNIST format), gzipped, as the official files come."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_a_torchvision_dataset_on_disk_is_a_source_with_its_own_test_split(tmp_path, sim_data_cache) -> None:
+    raw = tmp_path / "data" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 20)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    source = load_source(f"fashion-mnist:{tmp_path / 'data'}")
+    assert (len(source.train), len(source.test), source.image_size, source.channels) == (40, 20, 28, 1)
+    assert source.train.labels.tolist() == [i % 10 for i in range(40)]
+    # Written once as PNG files of the cache, which staging links from.
+    assert sorted(p.name.split("-")[0] for p in (sim_data_cache / "sim-data").iterdir()
+                  if p.name.startswith("FashionMNIST")) == ["FashionMNIST", "FashionMNIST"]
 
 
 def test_silo_sim_runs_on_an_rgb_folder_over_the_wire(tmp_path) -> None:
@@ -83,3 +98,20 @@ def test_silo_sim_runs_on_an_rgb_folder_over_the_wire(tmp_path) -> None:
     assert 0.0 <= summary["baseline"]["test_accuracy"] <= 1.0  # the baseline read the same 32 px colour images
     assert summary["settings"]["data"] == str(folder) and summary["settings"]["image_size"] is None
     assert "from 48 images in 3 classes under" in " ".join(proc.stdout.split())  # the console wraps long lines
+
+
+def test_in_memory_images_are_encoded_once_then_linked_by_every_staging(tmp_path, sim_data_cache) -> None:
+    first = stage_federation(tmp_path / "one", num_silos=2, labels_per_class=1, unlabeled_limit=20, test_per_class=1)
+    cached = sorted(p for p in (sim_data_cache / "sim-data").iterdir() if p.name.startswith("demo-"))
+    assert [p.name.split("-")[0] for p in cached] == ["demo", "demo"]  # the train and test splits
+    assert all((p / "complete").is_file() for p in cached)
+    written = {p: p.stat().st_mtime_ns for c in cached for p in list_image_files(c)}
+    assert len(written) == 6000 + 2000
+    second = stage_federation(tmp_path / "two", num_silos=2, labels_per_class=1, unlabeled_limit=20,
+                              test_per_class=1)
+    assert {p: p.stat().st_mtime_ns for c in cached for p in list_image_files(c)} == written  # none rewritten
+    for staged in (first, second):  # every staged image is a link to a cached file, with its pixels
+        files = list_image_files(staged.root / "hub" / "test") + list_image_files(staged.silos[0].data)
+        assert files and all(p.stat().st_nlink >= 2 for p in files)
+    one, two = (list_image_files(s.silos[0].data) for s in (first, second))
+    assert [p.stat().st_ino for p in one] == [p.stat().st_ino for p in two]  # same seed, same images
