@@ -102,6 +102,16 @@ def per_round(round_seconds: list[float], train_seconds: list[list[float]], star
     return rows
 
 
+def concurrency(intervals: list[tuple[float, float]]) -> float:
+    """How many clients trained at once on average: their summed training time over the time in which at least
+    one of them trained (1.0 when they ran one after the other)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return sum(stop - start for start, stop in intervals) / busy if busy else 0.0
+
+
 def summarise(rows: list[dict[str, float]]) -> dict[str, float]:
     """Means over the rounds after the first (round 1 pays one-off costs: first model load, warm-up of every host),
     or over round 1 alone when it is the only one."""
@@ -198,7 +208,8 @@ def run_flower(args: argparse.Namespace, silos: int, workdir: Path) -> dict[str,
                      args.slots)
     for row, r in zip(rows, rounds, strict=True):
         row.update(evaluation_seconds=r["evaluation_seconds"], aggregation_seconds=r["aggregation_seconds"],
-                   failures=r["failures"], test_accuracy=r["test_accuracy"])
+                   failures=r["failures"], test_accuracy=r["test_accuracy"], client_processes=r["client_processes"],
+                   training_at_once=concurrency(r["fit_intervals"]))
     short = [i + 1 for i, r in enumerate(rounds) if len(r["fit_seconds"]) != args.per_round]
     return {"engine": "flower", "silos": silos, "launch_to_round1_seconds": starts[0] - launched,
             "launch_to_round1_end_seconds": rounds[0]["ended"] - launched,
@@ -267,7 +278,8 @@ def flower_half(settings: dict[str, Any]) -> int:
                              mean=spec.mean, std=spec.std, device=cpu,
                              generator=seeded_generator(0, int(config["round"]), self.partition), flip=options.flip)
             result = weights(model)
-            return result, len(index), {"fit_seconds": time.perf_counter() - started}
+            return result, len(index), {"fit_seconds": time.perf_counter() - started, "fit_ended": time.time(),
+                                        "pid": os.getpid()}
 
     def client_fn(context: Context):
         training_split()  # outside fit's timing: loading the data is the client's start-up, not its round
@@ -295,7 +307,10 @@ def flower_half(settings: dict[str, Any]) -> int:
             return super().configure_fit(server_round, parameters, client_manager)
 
         def aggregate_fit(self, server_round, results, failures):
-            rounds[-1].update(fit_seconds=[fit.metrics["fit_seconds"] for _, fit in results], failures=len(failures))
+            fits = [fit.metrics for _, fit in results]
+            rounds[-1].update(fit_seconds=[f["fit_seconds"] for f in fits], failures=len(failures),
+                              fit_intervals=[(f["fit_ended"] - f["fit_seconds"], f["fit_ended"]) for f in fits],
+                              client_processes=len({f["pid"] for f in fits}))
             started = time.time()
             aggregated = super().aggregate_fit(server_round, results, failures)
             rounds[-1]["aggregation_seconds"] = time.time() - started
@@ -374,8 +389,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "Per round (round time / overhead, seconds):", ""]
     for run in result["runs"]:
         if "rounds" in run:
+            measured = [r["training_at_once"] for r in run["rounds"] if "training_at_once" in r]
             lines.append(f"- {run['silos']:,} silos, {run['engine']}: " + ", ".join(
-                f"{r['round_seconds']:.2f} / {r['overhead_seconds']:.2f}" for r in run["rounds"]))
+                f"{r['round_seconds']:.2f} / {r['overhead_seconds']:.2f}" for r in run["rounds"])
+                + (f" (clients training at once, measured from the fit calls' times: "
+                   f"{', '.join(f'{m:.2f}' for m in measured)})" if measured else ""))
     lines += ["", "Commands each engine ran:", ""]
     for run in result["runs"]:
         if "command" in run:

@@ -39,3 +39,11 @@ def test_overhead_is_the_round_minus_the_training_share_of_the_clients_training_
     assert steady["round_seconds"] == 2.5 and steady["overhead_seconds"] == 1.75
     assert steady["train_sum_seconds"] == 1.5 and steady["cycle_seconds"] == 3.5
     assert b.summarise(rows[:1])["overhead_seconds"] == 3.0  # a one-round run has only round 1
+
+
+def test_clients_training_at_once_is_their_summed_time_over_the_time_any_of_them_trained():
+    at_once = bench().concurrency
+    assert at_once([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]) == 1.0  # one after the other
+    assert at_once([(0.0, 2.0), (0.0, 2.0), (2.0, 4.0), (2.0, 4.0)]) == 2.0  # two side by side
+    assert at_once([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(5.0 / 4.0)  # overlap, then a gap
+    assert at_once([]) == 0.0
