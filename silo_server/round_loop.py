@@ -116,12 +116,18 @@ class Transport(Protocol):
     RoundLoop.accept_result. The deployed hub waits for gRPC calls (SiloCalls); silo_sim/inprocess.py runs the
     silos' halves in this process. Everything else in a round is the same loop."""
 
+    # Whether another attempt can find other silos (reconnected, recovered): the hub retries a failed round for as
+    # long as it runs; where nothing but the draw changes, the loop gives up after rounds.max_attempts.
+    silos_can_change: bool
+
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None: ...
 
 
 class SiloCalls:
     """The deployed hub's transport: silos fetch the open task, download and upload through gRPC calls
     (silo_server/intake.py), which hand their results in; the loop only waits for them."""
+
+    silos_can_change = True
 
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
         with loop.cond:
@@ -417,6 +423,11 @@ class RoundLoop:
         self.registry.count("rounds_failed")
         if "below quorum" in reason:
             self.registry.count("below_quorum")
+        if not self.transport.silos_can_change:  # in process: the same silos would fail the same way
+            if failures >= self.settings.max_attempts:
+                raise RuntimeError(f"round {task.round} failed {failures} times in a row (last: {reason})")
+            log.warning("round %d attempt %d failed: %s; drawing again", task.round, task.attempt, reason)
+            return
         pause = min(60.0, 2.0 ** (failures - 1))
         log.warning("round %d attempt %d failed: %s; retrying in %.0f s", task.round, task.attempt, reason, pause)
         if failures % self.settings.max_attempts == 0:

@@ -41,7 +41,10 @@ class InProcessSilos:
     sampled silo runs its algorithm half on the round's plan, as a silo-client would on what it downloaded, and its
     result goes through the hub's checks (exact tensors, finite, weight within the round's cap) into the round;
     when the hub half broadcasts the round's model, every other silo then gets it too (receive_model). No silo drops
-    out and no deadline applies: a round waits for every sampled silo."""
+    out and no deadline applies: a round waits for every sampled silo. A failed round (a robust rule refusing too few
+    updates) is drawn again up to rounds.max_attempts times, then the run stops."""
+
+    silos_can_change = False
 
     def __init__(self, silo: SiloAlgorithm | None, silos: dict[str, SiloData]):
         self.silo = silo

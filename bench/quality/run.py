@@ -197,7 +197,6 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         idx = rest[part]
         silos.append(SiloData(images=train.images[idx], true_labels=train.labels[idx],
                               labels=train.labels[idx] if method == "supervised" else None, silo_id=f"silo-{i:03d}"))
-    round_counter = {"n": 0}
     val_images, val_labels = train.images[val_idx], train.labels[val_idx]
     best, best_model = BestRound(), {"model": None}
 
@@ -210,11 +209,11 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         return result
 
     def evaluate_state(state):
-        round_counter["n"] += 1
-        if round_counter["n"] % profile.eval_every and round_counter["n"] != profile.rounds:
+        # The round the state is after (0: the initial model, which the hub's loop scores before round 1).
+        if state.round == 0 or (state.round % profile.eval_every and state.round != profile.rounds):
             return {}
         result = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
-        print(f"    {partition} {method} seed {seed} round {round_counter['n']}: {100 * result['accuracy']:.2f}%",
+        print(f"    {partition} {method} seed {seed} round {state.round}: {100 * result['accuracy']:.2f}%",
               flush=True)
         return result
 

@@ -115,3 +115,12 @@ def test_in_process_rounds_are_the_hub_round_loop_robust_rule_weight_cap_and_rec
     state, _ = run_inprocess(MeanOfSilos(), ValueSilo({"a": 0.0, "b": 0.0, "c": 10.0}),
                              silos_with({"a": 10, "b": 10, "c": 1000}), rounds=1, seed=0)
     assert state.tensors["model/x"].tolist() == [pytest.approx(10.0 * 40 / 60)] * 3
+
+
+def test_an_in_process_round_a_rule_refuses_stops_the_run_instead_of_retrying_forever() -> None:
+    from silo_server.robust import AggregationSection
+
+    # Krum with f = 2 needs 2f + 3 = 7 updates; five silos can never give them.
+    with pytest.raises(RuntimeError, match="round 1 failed 5 times in a row .*krum"):
+        run_inprocess(MeanOfSilos(), ValueSilo({n: 1.0 for n in "abcde"}), silos_with({n: 10 for n in "abcde"}),
+                      rounds=1, aggregation=AggregationSection(rule="krum", krum_byzantine=2))
