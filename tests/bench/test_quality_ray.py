@@ -1,6 +1,7 @@
 """bench/quality/run.py --ray: the cells as Ray tasks on a local Ray, the same cells as without Ray."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ DATA = ROOT.parent / "shared" / "data"
 pytest.importorskip("ray")
 
 
+@pytest.mark.ray_large  # half a minute of a local Ray for a benchmark option: kept out of the 15-minute suite
+@pytest.mark.skipif(not os.environ.get("SILOKIT_RAY_LARGE"), reason="set SILOKIT_RAY_LARGE=1 (half a minute)")
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
 def test_a_cell_run_as_a_ray_task_equals_the_cell_run_here(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",

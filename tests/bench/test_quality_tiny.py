@@ -91,16 +91,17 @@ def test_a_saved_cell_survives_an_option_added_later_at_its_default():
     assert quality.saved_options({"method": "semifl", "options": {**current, "removed_knob": 1}}) is None
 
 
-def test_option_width_or_head_override_needs_its_own_output_folder():
+def test_option_width_or_head_override_needs_its_own_output_folder(capsys):
+    quality = load_script("bench/quality/run.py", "quality_run")  # its main(), in this process: six refusals
     refused = [(["--option", "semifl.tau=0.5"], "give --out DIR"), (["--width", "32"], "give --out DIR"),
                (["--head", "flatten"], "give --out DIR"),
                (["--head", "flatten", "--model", "wrn28_2", "--out", "x"], "--head flatten: for --model small_cnn only"),
                (["--model", "wrn28_2", "--width", "32", "--out", "unused"], "for --model small_cnn only"),
                (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model, --width and --head")]
     for change, message in refused:
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
-                               *change], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr
+        with pytest.raises(SystemExit) as exited:
+            quality.main(["--profile", "tiny", *change])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")

@@ -1,7 +1,8 @@
 """One attacking silo over the real wire (silo-sim: hub and silo processes, mutual TLS): a silo that sends a noise
-update (silo-sim --attackers 1 --attack noise, silo_sim/attacks.py) drags the plain mean well below the clean run,
-and hub.yaml aggregation.rule: median keeps the hub within a point of it and names the attacker in the round
-history. Three runs of one round; every rule against both attacks is tests/silo_sim/test_robust_inprocess.py, in process."""
+update (silo-sim --attackers 1 --attack noise, silo_sim/attacks.py) drags the plain mean far below what
+hub.yaml aggregation.rule: median keeps (measured over the wire: clean 53.0%, mean 32.4%, median 53.2%), and the
+median names the attacker in the round history. Two runs of one round (the clean run's comparison, for every rule
+against both attacks, is tests/silo_sim/test_robust_inprocess.py, in process: the same round loop and rules)."""
 
 import json
 import subprocess
@@ -25,15 +26,13 @@ def run_sim(tmp_path, name, *args):
 
 
 def test_one_noise_silo_drags_the_mean_down_and_the_median_holds(tmp_path):
-    clean = run_sim(tmp_path, "clean")
     attacked_mean = run_sim(tmp_path, "mean", "--attackers", "1", "--attack", "noise")
     attacked_median = run_sim(tmp_path, "median", "--attackers", "1", "--attack", "noise",
                               "--hub-set", "aggregation.rule=median")
     accuracy = {name: 100 * s["final"]["test_accuracy"] for name, s in
-                (("clean", clean), ("mean", attacked_mean), ("median", attacked_median))}
-    assert accuracy["clean"] > 45, accuracy  # the clean run learns (34% before round 1 here)
-    assert accuracy["mean"] < accuracy["clean"] - 10, accuracy  # measured 32.4 against 53.0
-    assert abs(accuracy["median"] - accuracy["clean"]) <= 1.0, accuracy  # measured 53.2
+                (("mean", attacked_mean), ("median", attacked_median))}
+    assert accuracy["median"] > 45, accuracy  # the median run learns as a clean one does (34% before round 1)
+    assert accuracy["mean"] < accuracy["median"] - 10, accuracy  # measured 32.4 against 53.2
     assert attacked_median["settings"]["attackers"] == 1 and attacked_median["settings"]["attack"] == "noise"
     decision = attacked_median["rounds"][0]
     assert decision["aggregation_rule"] == "median" and decision["aggregation_updates"] == 6

@@ -63,12 +63,17 @@ def clean(federation):
     return accuracy
 
 
+# Each rule against one of the attacks, to keep the suite's time (each run is seconds): every rule against both is
+# measured in bench/quality/robustness.py, and the median against noise again over the wire (tests/e2e).
+RULES_AGAINST = {"sign_flip": ["trimmed_mean", "fltrust"], "noise": ["median", "krum"]}
+
+
 @pytest.mark.parametrize("attack", ["sign_flip", "noise"])
 def test_robust_rules_keep_the_hub_within_a_point_of_the_clean_run(federation, clean, attack):
     dragged, records = run(federation, "mean", attack)
     assert all(r.aggregation is None for r in records)
     kept = {}
-    for rule in RULES:
+    for rule in RULES_AGAINST[attack]:
         kept[rule], records = run(federation, rule, attack)
         for record in records:
             assert record.aggregation.rule == rule and record.aggregation.updates == SILOS
