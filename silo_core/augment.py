@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms.v2 import functional as TF
 
 FILL = 127  # gray used for pixels that geometric ops and Cutout leave empty (FixMatch-style)
 NUM_MAGNITUDE_BINS = 31  # torchvision's RandAugment scale: magnitude 0..30
@@ -212,6 +211,10 @@ def _autocontrast(x: torch.Tensor, sign: torch.Tensor, frac: float) -> torch.Ten
 
 
 def _equalize(x: torch.Tensor, sign: torch.Tensor, frac: float) -> torch.Tensor:
+    # Imported on first use: torchvision's package import pulls in its models and torch._dynamo (1.7 s), which a
+    # hub or silo that never draws this op need not pay at every start.
+    from torchvision.transforms.v2 import functional as TF
+
     return TF.equalize(x)  # torchvision's kernel is already batched
 
 
