@@ -236,9 +236,25 @@ def _read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
     return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
 
 
+def hub_port(staged) -> int:
+    """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
+    hub.yaml's server.port, or (0, the sim's default) a free one picked here and handed to silo-server --port."""
+    configured = int((yaml.safe_load(staged.hub_config.read_text()).get("server") or {}).get("port", 0))
+    if configured:
+        return configured
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], float]:
     """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes;
-    follow progress; return (rc, history, seconds)."""
+    follow progress; return (rc, history, seconds).
+
+    The hosts start at once, not when the hub listens: their imports and their silos' set-up run while the hub
+    loads, and each host waits for the hub's port before its silos dial it (silo_sim/worker.py)."""
     cores = os.cpu_count() or 2
     workers = max(1, min(args.workers or cores, len(staged.silos)))
     logs = staged.root / "logs"
@@ -248,7 +264,9 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
     started = time.time()
     if not getattr(args, "needs_silos", True):
         workers = 0  # a hub-only algorithm (server-only): no silo has anything to do
-    hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config)],
+    port = hub_port(staged)
+    hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config),
+                            "--port", str(port)],
                            stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
     procs = [hub]
     ray_hosts = None
@@ -261,13 +279,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                                      args.ray_address)
             workers = actor_count(ray_hosts.connect(), len(staged.silos), ray_hosts.silo_cpus, ray_hosts.silo_gpus,
                                   args.workers)
-        port_file = staged.hub_state_dir / "port"
-        while not port_file.exists():
-            if hub.poll() is not None:
-                raise RuntimeError(f"the hub exited before listening; see {logs / 'hub.log'}:\n"
-                                   + (logs / "hub.log").read_text()[-2000:])
-            time.sleep(0.2)
-        hub_address = f"127.0.0.1:{port_file.read_text().strip()}"
+        hub_address = f"127.0.0.1:{port}"
         metrics_files, ray_specs = [], []
         for w in range(workers):
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")

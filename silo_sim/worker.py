@@ -18,8 +18,10 @@ import concurrent.futures
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,10 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
         return work_thread.submit(work, *args).result()
 
     results: dict[str, int] = {}
+    hub_listening = threading.Event()
+    threading.Thread(target=wait_for_listener, args=(spec["hub"], hub_listening, stop,
+                                                     float(spec.get("connect_timeout_s", 120))),
+                     name="hub-probe", daemon=True).start()
 
     def host(entry: dict) -> None:
         name = entry["name"]
@@ -60,6 +66,7 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 sim_attack=entry.get("attack"),
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
+            hub_listening.wait()  # set up while the hub starts; dial it once it listens
             results[name] = client.run_forever()
         except Exception as err:  # one silo's failure must not take the others down
             logging.getLogger("silo_sim.worker").error("silo %s stopped: %s", name, err)
@@ -85,6 +92,24 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 break
         server.close()
     return results
+
+
+def wait_for_listener(address: str, listening: threading.Event, stop: threading.Event, timeout: float) -> None:
+    """Set `listening` once something accepts TCP connections at `address` (HOST:PORT), or when `timeout` seconds
+    or `stop` end the wait: the host starts beside the hub, and silos that dialled a hub still loading would back
+    off for seconds (1, 2, 4, ... as a real branch does) after it came up. Past the timeout the silos dial anyway
+    and report what they find."""
+    host, _, port = address.rpartition(":")
+    end = time.monotonic() + timeout
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                    return
+            except OSError:
+                stop.wait(0.1)
+    finally:
+        listening.set()
 
 
 def main(argv: list[str] | None = None) -> int:

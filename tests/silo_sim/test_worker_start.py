@@ -1,0 +1,41 @@
+"""A silo host starts beside the hub and lets its silos dial only once the hub's port accepts connections."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from silo_sim.worker import wait_for_listener
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_wait_ends_when_the_port_starts_listening_not_before():
+    port = _free_port()
+    listening, stop = threading.Event(), threading.Event()
+    waiter = threading.Thread(target=wait_for_listener, args=(f"127.0.0.1:{port}", listening, stop, 30.0))
+    waiter.start()
+    time.sleep(0.5)
+    assert not listening.is_set()  # nothing listens yet: the silos hold back
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        assert listening.wait(5.0)
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def test_past_the_timeout_or_on_stop_the_silos_are_let_go_to_report_what_they_find():
+    listening, stop = threading.Event(), threading.Event()
+    started = time.monotonic()
+    wait_for_listener(f"127.0.0.1:{_free_port()}", listening, stop, 0.5)
+    assert listening.is_set() and time.monotonic() - started < 5.0
+    listening, stop = threading.Event(), threading.Event()
+    stop.set()
+    wait_for_listener(f"127.0.0.1:{_free_port()}", listening, stop, 60.0)
+    assert listening.is_set()
