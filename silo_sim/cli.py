@@ -301,6 +301,12 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                                           stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT, env=env))
         if ray_hosts is not None:
             ray_hosts.start(ray_specs)
+        port_file = staged.hub_state_dir / "port"  # written once the hub listens (its /metrics port before it)
+        while not port_file.exists():
+            if hub.poll() is not None:
+                raise RuntimeError(f"the hub exited before listening; see {logs / 'hub.log'}:\n"
+                                   + (logs / "hub.log").read_text()[-2000:])
+            time.sleep(0.2)
         metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs,
                                                 check=ray_hosts.check_started if ray_hosts else None)
         if getattr(args, "prometheus_targets", None):

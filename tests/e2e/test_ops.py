@@ -64,7 +64,10 @@ def test_every_dashboard_and_alert_query_returns_data_from_a_real_run(tmp_path):
         sim = subprocess.Popen(
             [sys.executable, "-m", "silo_sim.cli", "--silos", str(SILOS), "--workers", str(WORKERS),
              "--rounds", str(ROUNDS), "--labels-per-class", "2", "--unlabeled", "80", "--option", "hub_epochs=1",
-             "--option", "tau=0.0", "--option", "local_epochs=1", "--no-baseline", "--workdir",
+             "--option", "tau=0.0", "--option", "local_epochs=1", "--no-baseline",
+             # silo-sim keeps the hub up 30 s after the run for a Prometheus that scrapes every 15 s; this one
+             # scrapes every second (and the hub still waits for one scrape of its final values).
+             "--hub-set", "server.min_linger_s=3", "--workdir",
              str(tmp_path / "sim"), "--prometheus-targets", str(prom.targets)],
             stdout=open(tmp_path / "sim.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
