@@ -45,10 +45,17 @@ class Mean(HubAlgorithm):
 
 
 class Silo(threading.Thread):
-    """The client's loop against the hub object: TRAIN -> SiloPrivacy.submit, SECAGG -> SiloPrivacy.run_stage."""
+    """The client's loop against the hub object: TRAIN -> SiloPrivacy.submit, SECAGG -> SiloPrivacy.run_stage.
+
+    Every instance is ended after its test (tests/silo_server/conftest.py): a stopped hub answers every poll at once,
+    and silos left polling one kept more than a core busy for the rest of the suite."""
+
+    started: list["Silo"] = []
 
     def __init__(self, hub: Hub, silo_id: str, value: float, die_at: str | None = None):
         super().__init__(daemon=True)
+        self.finished = threading.Event()
+        Silo.started.append(self)
         self.hub, self.silo_id, self.value, self.die_at = hub, silo_id, value, die_at
         self.privacy = SiloPrivacy(send_result=self.send_result, send_stage=self.send_stage)
         self.refused: list[str] = []
@@ -68,8 +75,11 @@ class Silo(threading.Thread):
         self.send({"task_id": task_id, "round": round_, "secagg_stage": stage}, payload)
 
     def run(self):
-        while True:
+        while not self.finished.is_set():
             try:
+                if self.hub.stop_event.is_set():  # a stopped hub answers at once; a test may hand us a new one
+                    self.finished.wait(0.05)
+                    continue
                 view = self.hub.next_task(self.silo_id, self.hub.run_id, wait_s=1.0)
                 task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy_json=view.privacy_json,
                                      secagg_stage=view.secagg_stage, secagg_payload=view.secagg_payload)
