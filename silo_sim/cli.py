@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fractions allowed; default 1)")
     p.add_argument("--silo-gpus", type=float, metavar="N",
                    help="with --engine ray: GPUs each silo host actor requests (fractions allowed; default 0)")
+    p.add_argument("--ship-silo-files", action="store_true",
+                   help="with --engine ray: send each actor its silos' certificates and images (one archive per "
+                        "actor, unpacked in a temporary folder on its node and removed after), for a cluster whose "
+                        "nodes do not share this machine's file system")
+    p.add_argument("--hub-host", default="127.0.0.1", metavar="HOST",
+                   help="the address the hub listens on and the silos dial (default 127.0.0.1: this machine only); "
+                        "for Ray actors on other machines, an address of this machine they can reach. The hub's "
+                        "certificate names it")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
     p.add_argument("--hub-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -244,8 +252,8 @@ def hub_port(staged) -> int:
         return configured
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+    host = (yaml.safe_load(staged.hub_config.read_text()).get("server") or {}).get("host", "127.0.0.1")
+    with socket.create_server((host, 0)) as probe:
         return probe.getsockname()[1]
 
 
@@ -279,7 +287,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                                      args.ray_address)
             workers = actor_count(ray_hosts.connect(), len(staged.silos), ray_hosts.silo_cpus, ray_hosts.silo_gpus,
                                   args.workers)
-        hub_address = f"127.0.0.1:{port}"
+        hub_address = f"{getattr(args, 'hub_host', '127.0.0.1')}:{port}"
         metrics_files, ray_specs = [], []
         for w in range(workers):
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")
@@ -288,6 +296,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
                 "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
                 "watched": bool(getattr(args, "prometheus_targets", None)),
+                "ship_files": bool(getattr(args, "ship_silo_files", False)),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
                            "labels": str(s.labels), "attack": attacks.get(s.name)} for s in staged.silos[w::workers]],
@@ -312,6 +321,7 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
         if getattr(args, "prometheus_targets", None):
             write_prometheus_targets(args.prometheus_targets, metrics_ports)
         history_path = staged.hub_state_dir / "history.json"
+        targets_stale = False
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
             bar = progress.add_task("initial hub training", total=rounds)
@@ -323,8 +333,15 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                         f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
                         f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
                 if ray_hosts is not None:  # a dead actor is reported and, while rounds are left, replaced
-                    for line in ray_hosts.check(rounds_left=len(history) < rounds):
+                    replaced = ray_hosts.check(rounds_left=len(history) < rounds)
+                    for line in replaced:
                         progress.console.print(f"[yellow]{line}")
+                    if getattr(args, "prometheus_targets", None) and (replaced or targets_stale):
+                        # the replacement serves /metrics on a new port: Prometheus follows once it is known
+                        targets_stale = ray_hosts.metrics_pending()
+                        if not targets_stale:
+                            write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
+                                staged, metrics_files, procs, logs))
                 time.sleep(0.5)
             progress.update(bar, completed=len(_read_history(history_path)[0]))
         rc = hub.wait()
@@ -347,8 +364,8 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
                             timeout: float = 120.0, check=None) -> dict[str, Any]:
-    """The /metrics ports of the hub and of every worker, once each has written it. `check` raises when a silo
-    host that is not one of `procs` (a Ray actor) failed."""
+    """The /metrics port of the hub and the HOST:PORT of every silo host's, once each has written it. `check`
+    raises when a silo host that is not one of `procs` (a Ray actor) failed."""
     hub_file = staged.hub_state_dir / "metrics_port"
     end = time.time() + timeout
     while not all(f.exists() and f.read_text().strip() for f in worker_files):
@@ -361,7 +378,14 @@ def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subpro
             raise RuntimeError(f"silo workers did not serve metrics within {timeout:.0f}s; see {logs}")
         time.sleep(0.2)
     return {"hub": int(hub_file.read_text()) if hub_file.exists() else None,
-            "workers": [int(f.read_text()) for f in worker_files]}
+            "workers": [metrics_address(f.read_text()) for f in worker_files]}
+
+
+def metrics_address(written: str) -> str:
+    """A silo host's /metrics as HOST:PORT, from what it wrote: a port (on this machine) or a Ray actor's
+    HOST:PORT on its node."""
+    written = written.strip()
+    return written if ":" in written else f"127.0.0.1:{int(written)}"
 
 
 def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
@@ -375,8 +399,8 @@ def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
     groups = {
         "hub.yml": [{"targets": [f"127.0.0.1:{ports['hub']}"], "labels": {"federation": "silo-sim"}}]
         if ports["hub"] else [],
-        "silos.yml": [{"targets": [f"127.0.0.1:{port}"], "labels": {"federation": "silo-sim", "worker": str(w)}}
-                      for w, port in enumerate(ports["workers"])],
+        "silos.yml": [{"targets": [address], "labels": {"federation": "silo-sim", "worker": str(w)}}
+                      for w, address in enumerate(ports["workers"])],
     }
     for name, content in groups.items():
         tmp = directory / f".{name}.tmp"
@@ -509,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         check_secure_aggregation_fits(hub_config, args.silos)
         extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
                  "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class,
-                 "source": source}
+                 "source": source, "hub_host": args.hub_host}
         if args.export_demo:
             staged = stage_federation(args.export_demo, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                       partition=args.partition, alpha=args.alpha,
@@ -520,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{staged.hub_state_dir}/port and bound again on a restart; set server.port to fix it)")
             for s in staged.silos[:3]:
                 data = (f"--data {s.data} " if s.data else "") + (f"--labeled {s.labeled} " if s.labeled else "")
-                print(f"  silo:  silo-client {data}--certs {s.certs} --hub 127.0.0.1:PORT")
+                print(f"  silo:  silo-client {data}--certs {s.certs} --hub {args.hub_host}:PORT")
             if len(staged.silos) > 3:
                 print(f"  ... and {len(staged.silos) - 3} more silos under {staged.root / 'silos'}")
             return 0

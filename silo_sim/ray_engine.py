@@ -9,7 +9,11 @@ exercised as with the worker pool. What Ray adds is placement and supervision:
   allow at that request, capped at --silos, unless --workers says how many;
 - an actor that dies (its process killed, its node lost) is reported with the silos it hosted, and while the hub
   has rounds left a new actor takes over those silos: they join again with their certificates and state folders,
-  like a branch that restarted.
+  like a branch that restarted;
+- with --ship-silo-files the actors need no shared file system: each gets its silos' certificates, images and
+  labels as one tar archive (Ray's object store carries it to the actor's node), unpacks it into a temporary
+  folder there and removes it at the end; its silos start with empty state folders, and a replacement gets the
+  archive again. Each actor reports the address of its /metrics endpoint, for --prometheus-targets.
 
 Ray is imported here only, and only when this engine is chosen, so silo-sim without the `ray` extra never loads it.
 Only plain JSON-like specs and exit codes pass between the driver and the actors (Ray pickles them between our own
@@ -18,10 +22,12 @@ processes; nothing from the hub or a silo's data travels that way).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import shutil
+import tarfile
 import tempfile
 import threading
 import time
@@ -33,6 +39,32 @@ log = logging.getLogger("silo_sim.ray")
 
 INSTALL_HINT = 'the Ray engine needs Ray: pip install -e ".[ray]"'
 ACTORS_FILE = "ray-actors.json"  # under the sim's logs/: each actor's pid and silos, for operators (and tests)
+SILO_FILES = ("certs", "data", "labeled", "labels")  # a silo's paths in a host spec that --ship-silo-files carries
+
+
+def pack_share(spec: dict[str, Any]) -> bytes:
+    """The certificates, images and labels of a host spec's silos as one uncompressed tar archive (PNGs and JPEGs
+    are compressed already), each silo's files under its name."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for silo in spec["silos"]:
+            for key in SILO_FILES:
+                if silo.get(key):
+                    archive.add(silo[key], arcname=f"{silo['name']}/{key}")
+    return buffer.getvalue()
+
+
+def unpack_share(spec: dict[str, Any], archive: bytes, into: Path) -> dict[str, Any]:
+    """`archive` (pack_share) unpacked under `into`; returns the spec with its silos' paths pointing there, each
+    with a new state folder, and the /metrics port file there too."""
+    with tarfile.open(fileobj=io.BytesIO(archive)) as files:
+        files.extractall(into, filter="data")  # nothing outside `into`, no device files, no absolute links
+    silos = []
+    for silo in spec["silos"]:
+        base = into / silo["name"]
+        silos.append({**silo, **{key: str(base / key) for key in SILO_FILES if silo.get(key)},
+                      "state_dir": str(base / "state")})
+    return {**spec, "silos": silos, "metrics_port_file": str(into / "metrics_port")}
 
 
 class RayMissing(RuntimeError):
@@ -48,14 +80,32 @@ def import_ray():
     return ray
 
 
+def node_address() -> str:
+    """The address this actor's node has in its Ray cluster (the one its `ray start` registered), so that a
+    Prometheus on the sim's machine can reach the actor's /metrics on a node elsewhere."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
 class SiloHost:
-    """The body of a silo host actor: host_silos on a spec, stoppable from another call (hence two concurrent
-    calls per actor: run and stop)."""
+    """The body of a silo host actor: host_silos on a spec, stoppable from another call, and asked for its /metrics
+    address by a third (hence three concurrent calls per actor: run, stop, metrics_address)."""
 
     def __init__(self, log_path: str):
         self.stop_event = threading.Event()
-        # The actor's log goes to the sim's logs/ folder, beside the hub's, not into Ray's session folder.
-        handler = logging.FileHandler(log_path)
+        self.metrics_port_file: Path | None = None
+        self.metrics_host = "127.0.0.1"
+        # The actor's log goes to the sim's logs/ folder, beside the hub's, not into Ray's session folder; on a
+        # node without that folder (no shared file system), to the folder its silos' files are unpacked in.
+        self.log_path = Path(log_path)
+        if not self.log_path.parent.is_dir():
+            self.log_path = Path(tempfile.mkdtemp(prefix="silo-sim-actor-log-")) / self.log_path.name
+        handler = logging.FileHandler(self.log_path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger()
         root.addHandler(handler)
@@ -64,10 +114,34 @@ class SiloHost:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, spec: dict[str, Any]) -> dict[str, int]:
+    def run(self, spec: dict[str, Any], archive: bytes | None = None) -> dict[str, int]:
         from silo_sim.worker import host_silos
 
-        return host_silos(spec, self.stop_event)
+        # /metrics where the sim's Prometheus reaches it: loopback on the sim's own local Ray, else this node's
+        # address in the cluster.
+        self.metrics_host = spec["metrics_host"] = spec.get("metrics_host") or node_address()
+        if archive is None:
+            self.metrics_port_file = Path(spec["metrics_port_file"])
+            return host_silos(spec, self.stop_event)
+        share = Path(tempfile.mkdtemp(prefix="silo-sim-share-"))
+        try:
+            spec = unpack_share(spec, archive, share)
+            self.metrics_port_file = Path(spec["metrics_port_file"])
+            logging.getLogger("silo_sim.ray").info("silo files unpacked in %s", share)
+            return host_silos(spec, self.stop_event)
+        finally:
+            shutil.rmtree(share, ignore_errors=True)
+
+    def metrics_address(self, timeout_s: float = 120.0) -> str | None:
+        """HOST:PORT of this actor's /metrics endpoint once host_silos serves it (None if it never does)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not self.stop_event.is_set():
+            if self.metrics_port_file is not None and self.metrics_port_file.is_file():
+                port = self.metrics_port_file.read_text().strip()
+                if port:
+                    return f"{self.metrics_host}:{port}"
+            time.sleep(0.1)
+        return None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -90,7 +164,9 @@ def check_engine_args(args) -> None:
     """The Ray engine's flags, checked before anything is staged: each bad one named with what to do."""
     if args.engine != "ray":
         given = [flag for flag, value in (("--ray-address", args.ray_address), ("--silo-cpus", args.silo_cpus),
-                                          ("--silo-gpus", args.silo_gpus)) if value is not None]
+                                          ("--silo-gpus", args.silo_gpus),
+                                          ("--ship-silo-files", getattr(args, "ship_silo_files", None) or None))
+                 if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to Ray actors: add --engine ray")
         return
@@ -113,6 +189,8 @@ class HostedShare:
     spec: dict[str, Any]
     actor: Any = None
     run_ref: Any = None
+    metrics_ref: Any = None  # the actor's metrics_address() call, until it answered
+    metrics_address: str | None = None  # HOST:PORT of its /metrics, once it answered
     pid: int | None = None
     restarts: int = 0
     results: dict[str, int] | None = None  # once its run() returned
@@ -135,6 +213,7 @@ class RaySiloHosts:
     events: list[str] = field(default_factory=list)  # deaths and replacements, as reported
     _ray: Any = None
     _temp_dir: str | None = None
+    _archives: dict[int, Any] = field(default_factory=dict)  # object refs of the shipped silo files, by share
 
     def connect(self) -> dict[str, float]:
         """Join the cluster at `address`, or start a local one sized to this machine; returns its resources."""
@@ -158,8 +237,13 @@ class RaySiloHosts:
             # Ray leaves the GPUs visible to an actor that asked for none: keep its silos off them (the cluster's
             # GPU accounting would not see them).
             specs = [{**spec, "device": "cpu"} if spec.get("device", "auto") == "auto" else spec for spec in specs]
+        # The actors of the local Ray this sim started run on this machine: their /metrics stay on loopback.
+        specs = [{**spec, "metrics_host": None if self.address else "127.0.0.1"} for spec in specs]
         self.shares = [HostedShare(i, spec) for i, spec in enumerate(specs)]
+        self._archives = {}
         for share in self.shares:
+            if share.spec.get("ship_files"):  # put in the object store once, shipped again to a replacement
+                self._archives[share.index] = self._ray.put(pack_share(share.spec))
             self._launch(share)
         pids = self._ray.get([s.actor.pid.remote() for s in self.shares])
         for share, pid in zip(self.shares, pids, strict=True):
@@ -169,13 +253,15 @@ class RaySiloHosts:
     def _launch(self, share: HostedShare) -> None:
         ray = self._ray
         actor_class = ray.remote(SiloHost)
-        share.actor = actor_class.options(num_cpus=self.silo_cpus, num_gpus=self.silo_gpus, max_concurrency=2
+        share.actor = actor_class.options(num_cpus=self.silo_cpus, num_gpus=self.silo_gpus, max_concurrency=3
                                           ).remote(str(self.logs / f"actor-{share.index}.log"))
-        share.run_ref = share.actor.run.remote(share.spec)
+        share.run_ref = share.actor.run.remote(share.spec, self._archives.get(share.index))
+        share.metrics_ref = share.actor.metrics_address.remote()
 
     def _write_actors_file(self) -> None:
         actors = [{"actor": s.index, "pid": s.pid, "restarts": s.restarts, "silos": s.silo_names,
-                   "metrics_port_file": s.spec.get("metrics_port_file")} for s in self.shares]
+                   "metrics_port_file": s.spec.get("metrics_port_file"), "metrics_address": s.metrics_address}
+                  for s in self.shares]
         tmp = self.logs / f".{ACTORS_FILE}.tmp"
         tmp.write_text(json.dumps({"ray_temp_dir": self._temp_dir, "actors": actors, "events": self.events},
                                   indent=1))
@@ -189,6 +275,7 @@ class RaySiloHosts:
         running = [s for s in self.shares if s.results is None and not s.dead]
         if not running:
             return reported
+        self._collect_metrics_addresses(running)
         ready, _ = ray.wait([s.run_ref for s in running], num_returns=len(running), timeout=0)
         for share in running:
             if share.run_ref not in ready:
@@ -201,6 +288,7 @@ class RaySiloHosts:
                         f"{', '.join(share.silo_names)}: {reason}")
                 if rounds_left and share.restarts < self.max_restarts:
                     share.restarts += 1
+                    share.metrics_address = None
                     if share.spec.get("metrics_port_file"):
                         Path(share.spec["metrics_port_file"]).unlink(missing_ok=True)
                     self._launch(share)
@@ -223,6 +311,30 @@ class RaySiloHosts:
                 self._write_actors_file()
                 reported.append(line)
         return reported
+
+    def _collect_metrics_addresses(self, running: list[HostedShare]) -> None:
+        """Each actor's /metrics address, once it answered, written where the sim reads the worker pool's ports
+        (its spec's metrics_port_file on this machine), as HOST:PORT."""
+        asked = [s for s in running if s.metrics_ref is not None]
+        if not asked:
+            return
+        ready, _ = self._ray.wait([s.metrics_ref for s in asked], num_returns=len(asked), timeout=0)
+        for share in asked:
+            if share.metrics_ref in ready:
+                try:
+                    address = self._ray.get(share.metrics_ref)
+                except self._ray.exceptions.RayError:  # the actor died: check() reports it
+                    address = None
+                share.metrics_ref, share.metrics_address = None, address
+                self._write_actors_file()
+                if address and share.spec.get("metrics_port_file"):
+                    tmp = Path(share.spec["metrics_port_file"] + ".tmp")
+                    tmp.write_text(address)
+                    tmp.replace(share.spec["metrics_port_file"])
+
+    def metrics_pending(self) -> bool:
+        """Whether an actor (a replacement, say) has not told its /metrics address yet."""
+        return any(s.metrics_ref is not None for s in self.shares if s.results is None and not s.dead)
 
     def check_started(self) -> None:
         """While waiting for the hosts to come up: raise if one failed (a dead one is replaced as in a run)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import ipaddress
 import json
 import os
 import shutil
@@ -215,12 +216,14 @@ def stage_federation(
     labeled_silos: int = 0,
     silo_labels_per_class: int = 0,
     source: SimData | None = None,
+    hub_host: str = "127.0.0.1",
 ) -> StagedFederation:
     """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
     the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
     `silo_labels_per_class` images per class of their shard as labeled images (partly labeled sites). The images
     come from `source` (default: the bundled demo subset); a source without a test set gives `test_per_class`
-    images per class of its pool to the test set (default 100)."""
+    images per class of its pool to the test set (default 100). The hub listens on `hub_host` (loopback unless
+    silos on other machines must reach it), which its certificate names beside localhost and 127.0.0.1."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     source = source or load_source("demo")
@@ -247,7 +250,13 @@ def stage_federation(
 
     ca_dir = root / "pki" / "ca"
     init_ca(ca_dir)
-    issue_hub(ca_dir, root / "pki" / "hub", dns=["localhost"], ips=["127.0.0.1"])
+    dns, ips = ["localhost"], ["127.0.0.1"]
+    try:
+        ipaddress.ip_address(hub_host)
+        ips += [hub_host] if hub_host not in ips else []
+    except ValueError:
+        dns += [hub_host] if hub_host not in dns else []
+    issue_hub(ca_dir, root / "pki" / "hub", dns=dns, ips=ips)
     write_images(hub_labeled, root / "hub" / "labeled", labeled=True)
     write_images(test, root / "hub" / "test", labeled=True)
     if validation is not None:
@@ -281,7 +290,7 @@ def stage_federation(
 
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
-        "server": {"host": "127.0.0.1", "port": 0, "certs": "pki/hub", "linger_s": 10.0},
+        "server": {"host": hub_host, "port": 0, "certs": "pki/hub", "linger_s": 10.0},
         "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
                  "test": {"kind": "imagefolder", "path": "hub/test"},
                  **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},

@@ -5,6 +5,7 @@ Small on purpose (6 silos, 2 rounds): the suite runs these on two cores. Bigger 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,9 +96,14 @@ def test_ray_actors_host_every_silo_over_mtls_and_match_the_worker_pool(tmp_path
 def test_a_killed_actor_is_reported_and_replaced_and_the_round_goes_on(tmp_path, processes):
     """The actor hosting silo-001, -003 and -005 is SIGKILLed while round 1 runs: the sim names the actor and its
     silos, the round closes on the quorum (or with the silos back), and a new actor brings those silos back with
-    their certificates and state folders: round 2 has all six."""
+    their certificates: round 2 has all six.
+
+    Run as on a cluster without a shared file system: the actors get their silos' files shipped (the replacement
+    again) and unpack them in folders of their own, and the hub listens on an address other than 127.0.0.1
+    (127.0.0.2, still loopback), which the silos dial and its certificate names."""
     work, out = tmp_path / "work", tmp_path / "out"
     sim = processes.start("sim", "-m", "silo_sim.cli", *SMALL, "--unlabeled", "1200", "--engine", "ray",
+                          "--ship-silo-files", "--hub-host", "127.0.0.2",
                           "--hub-set", "rounds.quorum_silos=3", "--hub-set", "rounds.deadline_s=60",
                           "--workdir", str(work), "--out", str(out))
     hub_log = work / "logs" / "hub.log"
@@ -124,6 +130,20 @@ def test_a_killed_actor_is_reported_and_replaced_and_the_round_goes_on(tmp_path,
     rejoined = log.split("round 1 attempt 1: sampled")[1]
     for silo in victim["silos"]:  # each joined again (its own certificate) after the kill
         assert f"silo {silo} joined" in rejoined
+    assert "hub listening on 127.0.0.2:" in log
+
+    # Every actor, the replacement too, read its silos' files from its own unpacked copy, removed at the end, and
+    # told its /metrics address.
+    for i in (0, 1):
+        actor_log = (work / "logs" / f"actor-{i}.log").read_text()
+        unpacked = [line.split("silo files unpacked in ")[1].strip() for line in actor_log.splitlines()
+                    if "silo files unpacked in " in line]
+        assert len(unpacked) == (2 if i == 0 else 1)  # the replacement got the archive again
+        loaded = [line for line in actor_log.splitlines() if "images from" in line]
+        assert loaded and all(any(f"from {u}/" in line for u in unpacked) for line in loaded)
+        assert str(work) not in "".join(loaded) and not Path(unpacked[-1]).exists()
+        shutil.rmtree(unpacked[0], ignore_errors=True)  # the killed actor could not remove its copy
+        assert hosts["actors"][i]["metrics_address"].startswith("127.0.0.1:")
 
 
 def test_without_ray_the_engine_fails_with_the_install_line(tmp_path):

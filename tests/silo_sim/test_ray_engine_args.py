@@ -1,9 +1,11 @@
 """The Ray engine's sizing and flag checks (silo_sim/ray_engine.py), without starting Ray."""
 
+from pathlib import Path
+
 import pytest
 
 from silo_sim.cli import build_parser
-from silo_sim.ray_engine import actor_count, check_engine_args
+from silo_sim.ray_engine import actor_count, check_engine_args, pack_share, unpack_share
 
 
 def test_actors_fill_the_cluster_at_one_silos_request_capped_at_the_silos():
@@ -22,6 +24,7 @@ def test_actors_fill_the_cluster_at_one_silos_request_capped_at_the_silos():
 @pytest.mark.parametrize(("flags", "message"), [
     (["--ray-address", "127.0.0.1:6379"], "--ray-address only apply to Ray actors: add --engine ray"),
     (["--silo-cpus", "2", "--silo-gpus", "1"], "--silo-cpus, --silo-gpus only apply to Ray actors: add --engine ray"),
+    (["--ship-silo-files"], "--ship-silo-files only apply to Ray actors: add --engine ray"),
     (["--engine", "ray", "--silo-gpus", "-1"], "--silo-cpus and --silo-gpus must be 0 or more"),
     (["--engine", "ray", "--silo-cpus", "0"], "--silo-cpus 0 with no --silo-gpus would request nothing"),
     (["--engine", "ray", "--device", "cuda"], "--device cuda with --engine ray: give each silo host a GPU share"),
@@ -37,3 +40,30 @@ def test_good_engine_flags_pass():
     check_engine_args(build_parser().parse_args([]))
     pytest.importorskip("ray")
     check_engine_args(build_parser().parse_args(["--engine", "ray", "--silo-cpus", "0", "--silo-gpus", "0.5"]))
+
+
+def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state(tmp_path):
+    """--ship-silo-files: a host spec's certificates, images and labels travel as one archive and the unpacked spec
+    points at the copies (a node without the sim's folder), each silo with a new state folder."""
+    staged = tmp_path / "staged"
+    spec = {"hub": "10.0.0.1:50051", "metrics_port_file": str(staged / "worker-0.metrics_port"), "silos": []}
+    for name in ("silo-001", "silo-002"):
+        base = staged / name
+        (base / "certs").mkdir(parents=True)
+        (base / "images" / "sub").mkdir(parents=True)
+        (base / "certs" / "cert.pem").write_bytes(b"cert of " + name.encode())
+        (base / "images" / "sub" / "0.png").write_bytes(bytes(range(256)) + name.encode())
+        (base / "labels.json").write_text("[1, 2]")
+        spec["silos"].append({"name": name, "certs": str(base / "certs"), "data": str(base / "images"),
+                              "labeled": None, "labels": str(base / "labels.json"), "state_dir": str(base / "state")})
+    node = tmp_path / "node"
+    unpacked = unpack_share(spec, pack_share(spec), node)
+    assert unpacked["hub"] == spec["hub"] and unpacked["metrics_port_file"] == str(node / "metrics_port")
+    for before, after in zip(spec["silos"], unpacked["silos"], strict=True):
+        assert after["name"] == before["name"] and after["labeled"] is None
+        for key in ("certs", "data", "labels"):
+            assert after[key].startswith(str(node)) and not after[key].startswith(str(staged))
+        assert (Path(after["certs"]) / "cert.pem").read_bytes() == (Path(before["certs"]) / "cert.pem").read_bytes()
+        assert (Path(after["data"]) / "sub" / "0.png").read_bytes() == (Path(before["data"]) / "sub" / "0.png").read_bytes()
+        assert Path(after["labels"]).read_text() == "[1, 2]"
+        assert after["state_dir"] == str(node / before["name"] / "state")
