@@ -447,13 +447,17 @@ def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, a
     if best.round:  # the hub kept this round as best_model.safetensors
         table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
     private = any(h.dp is not None for h in history)  # the privacy spent, beside what it cost in accuracy
-    for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos", "round time",
-                "bytes up", "bytes down", *(("epsilon",) if private else ())):
+    # Silos left out of the sample that were handed the round's model (FedSEAL's ensemble_every_round)
+    broadcast = any(h.silos_received for h in history)
+    for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos",
+                *(("received",) if broadcast else ()), "round time", "bytes up", "bytes down",
+                *(("epsilon",) if private else ())):
         table.add_column(col, justify="right", no_wrap=True)
     if initial is not None and initial != Scores():  # the hub's model before any silo took part
         table.add_row("0 (initial)", f"{nan_if_none(initial.test_accuracy):.4f}",
                       *((f"{nan_if_none(initial.validation_accuracy):.4f} ",) if best.round else ()),
-                      "-", "-", "-", "-", "-", "-", *(("-",) if private else ()), style="dim")
+                      "-", "-", "-", *(("-",) if broadcast else ()), "-", "-", "-",
+                      *(("-",) if private else ()), style="dim")
     for h in history:
         validation = ((f"{nan_if_none(h.scores.validation_accuracy):.4f}{'*' if h.round == best.round else ' '}",)
                       if best.round else ())
@@ -461,12 +465,15 @@ def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, a
             str(h.round), f"{nan_if_none(h.scores.test_accuracy):.4f}", *validation,
             f"{h.pseudo_label_ratio:.3f}" if h.pseudo_label_ratio is not None else "-",
             f"{h.pseudo_label_accuracy:.3f}" if h.pseudo_label_accuracy is not None else "-",
-            f"{h.silos_reported or 0}/{h.silos_sampled or 0}", f"{h.round_seconds or 0:.1f}s",
+            f"{h.silos_reported or 0}/{h.silos_sampled or 0}",
+            *((f"{h.silos_received or 0} ({_human(h.bytes_down_received or 0)})",) if broadcast else ()),
+            f"{h.round_seconds or 0:.1f}s",
             _human(h.bytes_up or 0), _human(h.bytes_down or 0), *((_epsilon(h),) if private else ()),
         )
     if baseline:
         table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.round else ()), "-", "-",
-                      "-", f"{baseline['seconds']:.1f}s", "-", "-", *(("-",) if private else ()), style="dim")
+                      "-", *(("-",) if broadcast else ()), f"{baseline['seconds']:.1f}s", "-", "-",
+                      *(("-",) if private else ()), style="dim")
     return table
 
 

@@ -68,3 +68,21 @@ def test_silo_sim_refuses_a_secure_federation_too_small_for_its_dropout_toleranc
     check_secure_aggregation_fits(secure, 4)
     check_secure_aggregation_fits({"privacy": {"secure_aggregation": {"enabled": True, "dropouts": 0}}}, 3)
     check_secure_aggregation_fits({}, 1)
+
+
+def test_the_summary_counts_the_silos_handed_the_model_outside_the_sample():
+    """FedSEAL's ensemble_every_round: the silos left out of a round still receive its model; the table says how
+    many and how many bytes, and a run without that option has no such column."""
+    from rich.console import Console
+
+    from silo_sim.cli import summary_table
+
+    record = RoundRecord(round=1, scores=Scores(test_accuracy=0.5), silos_sampled=3, silos_reported=3,
+                         silos_received=7, bytes_down_received=957_656)
+    console = Console(width=160, record=True)
+    console.print(summary_table([record], {"test_accuracy": 0.4, "seconds": 1.0}, "fedseal"))
+    text = console.export_text()
+    assert "received" in text and "7 (957.7KB)" in text and "3/3" in text
+    console = Console(width=160, record=True)
+    console.print(summary_table([RoundRecord(round=1, scores=Scores(test_accuracy=0.5))], None, "fedseal"))
+    assert "received" not in console.export_text()
