@@ -226,10 +226,12 @@ class RaySiloHosts:
             ray.init(address=self.address, **quiet)
         else:
             # A short temp dir of our own (Ray's sockets live there and their paths have a length limit), removed
-            # at the end; the node on loopback only.
+            # at the end. Ray cannot be held to loopback: it registers the node under this machine's network
+            # address even when told 127.0.0.1, and its servers listen on every interface, guarded by the token
+            # authentication a local Ray turns on (README, "Silos on Ray actors").
             self._temp_dir = tempfile.mkdtemp(prefix="silo-ray-")
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=self._temp_dir,
-                     _node_ip_address="127.0.0.1", **quiet)  # GPUs: Ray counts this machine's own
+                     **quiet)  # GPUs: Ray counts this machine's own
         return dict(ray.cluster_resources())
 
     def start(self, specs: list[dict[str, Any]]) -> None:
