@@ -247,13 +247,12 @@ def _read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
 def hub_port(staged) -> int:
     """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
     hub.yaml's server.port, or (0, the sim's default) a free one picked here and handed to silo-server --port."""
-    configured = int((yaml.safe_load(staged.hub_config.read_text()).get("server") or {}).get("port", 0))
-    if configured:
-        return configured
+    server = yaml.safe_load(staged.hub_config.read_text()).get("server") or {}
+    if int(server.get("port", 0)):
+        return int(server["port"])
     import socket
 
-    host = (yaml.safe_load(staged.hub_config.read_text()).get("server") or {}).get("host", "127.0.0.1")
-    with socket.create_server((host, 0)) as probe:
+    with socket.create_server((server.get("host", "127.0.0.1"), 0)) as probe:
         return probe.getsockname()[1]
 
 

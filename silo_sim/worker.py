@@ -99,12 +99,14 @@ def wait_for_listener(address: str, listening: threading.Event, stop: threading.
     or `stop` end the wait: the host starts beside the hub, and silos that dialled a hub still loading would back
     off for seconds (1, 2, 4, ... as a real branch does) after it came up. Past the timeout the silos dial anyway
     and report what they find."""
-    host, _, port = address.rpartition(":")
+    from security.tls import split_target
+
+    host, port = split_target(address)
     end = time.monotonic() + timeout
     try:
         while not stop.is_set() and time.monotonic() < end:
             try:
-                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                with socket.create_connection((host, port), timeout=1.0):
                     return
             except OSError:
                 stop.wait(0.1)
