@@ -47,6 +47,9 @@ from silo_core.data import (
     load_labeled_folder,
     load_unlabeled_folder,
 )
+from silo_core.data import (
+    count_image_files as count_listed_images,
+)
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.tensors import (
     CHUNK_BYTES,
@@ -105,12 +108,15 @@ class SiloSettings:
     loader_workers: int = DEFAULT_LOADER_WORKERS
     # Model factories ("package.module:callable") this silo's operator allows: the only code a run can make it import.
     model_factories: tuple[str, ...] = ()
+    # Join ready on the count of image files and decode them at this silo's first task instead of before joining:
+    # silo-sim's silos, most of which a short run never samples (Flower's simulation builds a client when sampled).
+    load_when_sampled: bool = False
 
 
 def count_image_files(root: Path) -> int:
     if not root.is_dir():
         raise DataError(f"data folder {root} does not exist; pass --data with the folder of this silo's images")
-    return sum(1 for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+    return count_listed_images(root)
 
 
 def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) -> None:
@@ -209,6 +215,29 @@ class ProcessChecks:
 PROCESS_CHECKS = ProcessChecks()
 
 
+class HubSerialsSeen:
+    """The serial of the certificate a hub presented in a verified handshake, by (hub address, trusted CA), shared
+    by the silos of one process: a silo-sim host's hundreds of silos make one checking handshake a minute instead
+    of one each (at 1,000 silos those handshakes were a tenth of the joins' CPU). Each silo still judges the serial
+    against its own revocation list; one silo-client process has one silo, so nothing is shared there."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, bytes], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def recent(self, hub: str, ca_pem: bytes, within_s: float) -> int | None:
+        with self._lock:
+            at, serial = self._seen.get((hub, ca_pem), (-math.inf, 0))
+        return serial if time.monotonic() - at < within_s else None
+
+    def saw(self, hub: str, ca_pem: bytes, serial: int) -> None:
+        with self._lock:
+            self._seen[(hub, ca_pem)] = (time.monotonic(), serial)
+
+
+HUB_SERIALS_SEEN = HubSerialsSeen()
+
+
 def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     details = (err.details() or "").replace("\n", " ")
     if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -262,9 +291,11 @@ class SiloClient:
             self.channel = secure_channel(settings.hub, settings.certs, options=options)
         self.revocations = self._revocation_list()
         # A handshake of our own before joining: it checks the hub's certificate against the CRL, and tells a
-        # verification failure that will not fix itself from a hub that is merely away.
-        self.hub_tls = hub_tls_context(settings.certs) if settings.certs is not None and not \
-            settings.insecure_dev_silo_id else None
+        # verification failure that will not fix itself from a hub that is merely away. Its TLS context is built
+        # when this silo first makes that handshake itself (see HubSerialsSeen).
+        self.checks_hub = settings.certs is not None and not settings.insecure_dev_silo_id
+        self.hub_tls: ssl.SSLContext | None = None
+        self.trusted_ca = (settings.certs / BUNDLE_CA).read_bytes() if self.checks_hub else b""
         self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.run: silo_pb2.RunDescription | None = None
@@ -296,14 +327,34 @@ class SiloClient:
         """Refuse a hub whose certificate the CA has revoked. gRPC Python cannot check a CRL in its handshake, so
         a handshake of our own (a few ms) fetches the certificate the hub's address serves; done before joining and
         before a round's download once a minute, so a key stolen from the hub is refused within a minute of the
-        new crl.pem reaching the silo. HubCertificateUnchecked when the hub cannot be reached or does not pass
-        verification (the caller retries)."""
-        if self.hub_tls is None:
+        new crl.pem reaching the silo. A serial another silo of this process saw at the same address under the same
+        CA within the minute is used instead of a handshake (HubSerialsSeen). HubCertificateUnchecked when the hub
+        cannot be reached or does not pass verification (the caller retries)."""
+        if not self.checks_hub:
             return
         if time.monotonic() - self.hub_checked_at < unless_checked_within_s:
             return
+        serial = HUB_SERIALS_SEEN.recent(self.s.hub, self.trusted_ca, within_s=HUB_CHECK_EVERY_S)
+        if serial is None or self._revoked(serial):  # a revoked one afresh: the hub may have its new one by now
+            serial = self._hub_serial()
+            HUB_SERIALS_SEEN.saw(self.s.hub, self.trusted_ca, serial)
+        if not self._revoked(serial):
+            self.hub_checked_at = time.monotonic()
+        else:
+            raise SiloError(
+                f"the hub at {self.s.hub} presents certificate serial {serial:x}, which the federation CA revoked "
+                f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
+                f"was sent. Ask the federation's operator for the hub's current address and certificate")
+
+    def _revoked(self, serial: int) -> bool:
+        return self.revocations is not None and self.revocations.is_revoked(serial)
+
+    def _hub_serial(self) -> int:
+        """The serial of the certificate the hub presents, from a verified handshake of this silo's own."""
+        if self.hub_tls is None:
+            self.hub_tls = hub_tls_context(self.s.certs)
         try:
-            serial = hub_certificate(self.s.hub, self.hub_tls).serial_number
+            return hub_certificate(self.s.hub, self.hub_tls).serial_number
         except ssl.SSLError as err:
             permanent = describe_tls_failure(err, self.s.hub)
             if permanent is not None:
@@ -315,13 +366,6 @@ class SiloClient:
         except OSError as err:
             raise HubCertificateUnchecked(f"cannot reach the hub at {self.s.hub} to check its certificate ({err}); "
                                           f"check --hub HOST:PORT and that silo-server runs") from None
-        if self.revocations is None or not self.revocations.is_revoked(serial):
-            self.hub_checked_at = time.monotonic()
-        else:
-            raise SiloError(
-                f"the hub at {self.s.hub} presents certificate serial {serial:x}, which the federation CA revoked "
-                f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
-                f"was sent. Ask the federation's operator for the hub's current address and certificate")
 
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
@@ -331,15 +375,31 @@ class SiloClient:
 
         Only the loading and the model's set-up go through `run_work`: the handshakes and Join calls wait on the
         hub, and a silo-sim host's silos wait for them side by side instead of one after another on the shared
-        work thread (at 1,000 silos the waits were half of the joins' time to round 1)."""
+        work thread (at 1,000 silos the waits were half of the joins' time to round 1).
+
+        With load_when_sampled the silo joins ready at once on its file count and loads at its first task
+        (_load_if_deferred); files found unreadable then lower its count at its next join."""
         self._check_hub_certificate()
-        run = self._announce(preparing=self.data is None)
+        loaded = self.data is not None
+        run = self._announce(preparing=not loaded and not self.s.load_when_sampled)
         self._check_model(run)  # before loading any image
-        if self.data is None or self.data_key != data_key(run):
+        if loaded and self.data_key == data_key(run):
+            self.run_work(self._set_up, run)
+        elif self.s.load_when_sampled:
+            self.data, self.algorithm = None, None
+            self.metrics.joined(str(self.device), self.num_files + self.num_labeled_files, 0)
+            return
+        else:
             self.run_work(self._prepare, run)
             run = self._announce(preparing=False)  # with the counts of the images that did load
-        self.run_work(self._set_up, run)  # again: the run may have been replaced (a hub restart) meanwhile
+            self.run_work(self._set_up, run)  # again: the run may have been replaced (a hub restart) meanwhile
         self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
+
+    def _load_if_deferred(self) -> None:
+        """At the first task of a silo that joined before loading (load_when_sampled): load, set up, rehearse."""
+        if self.algorithm is None:
+            self._prepare(self.run)
+            self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
 
     def _prepare(self, run: silo_pb2.RunDescription) -> None:
         """Load this silo's images at the run's size, set up its algorithm and try the model on the device."""
@@ -493,6 +553,7 @@ class SiloClient:
     def _receive(self, task: silo_pb2.Task) -> None:
         """Not sampled, but the algorithm hands every silo the round's model (FedSEAL's ensemble_every_round): use
         it, send nothing."""
+        self._load_if_deferred()
         plan = self._plan(task)
         started = time.time()
         self.algorithm.receive_model(plan, self.data)
@@ -501,6 +562,7 @@ class SiloClient:
                       time.time() - started)
 
     def _train(self, task: silo_pb2.Task) -> None:
+        self._load_if_deferred()
         plan = self._plan(task)
         expected = plan.expected
         started = time.time()

@@ -371,7 +371,12 @@ class ImageFiles:
 
     @property
     def paths(self) -> list[Path]:
-        return [self.reader.path(int(r)) for r in self.rows]
+        return [Path(p) for p in self.path_strings()]
+
+    def path_strings(self) -> list[str]:
+        """This view's file paths as strings: for tens of thousands of files (silo-sim's staging links each one),
+        without a Path or a tensor element per file."""
+        return [os.fsdecode(p) for p in self.reader.paths[self.rows.numpy()]]
 
     @property
     def skipped(self) -> list[tuple[str, str]]:
@@ -479,14 +484,23 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+def _image_names(root: Path) -> Iterator[tuple[str, list[str]]]:
+    """(folder, its image file names) for every folder under ``root``, hidden files and folders ignored."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        yield dirpath, [f for f in filenames if _is_image(f)]
+
+
 def list_image_files(root: str | os.PathLike[str]) -> list[Path]:
     """Image files under ``root``, recursively, hidden files and folders ignored, in sorted path order."""
     root = Path(root)
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found.extend(Path(dirpath) / f for f in filenames if _is_image(f))
+    found = [Path(dirpath) / f for dirpath, names in _image_names(root) for f in names]
     return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def count_image_files(root: str | os.PathLike[str]) -> int:
+    """How many files list_image_files would list, without building or sorting their paths."""
+    return sum(len(names) for _, names in _image_names(Path(root)))
 
 
 def _load_files(paths: list[Path], image_size: int, channels: int) -> tuple[list[np.ndarray], list[int], list]:

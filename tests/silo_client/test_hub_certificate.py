@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+import silo_client.client
 from security import pki, tls
 from security.crl import RevocationList
 from security.gate import PeerGate
-from silo_client.client import SiloClient, SiloError, SiloSettings
+from silo_client.client import HUB_SERIALS_SEEN, SiloClient, SiloError, SiloSettings
 from tests.security.test_gate import _call, _serve
 from tests.silo_client.test_cli_errors import write_images
 
@@ -58,6 +59,33 @@ def test_a_silo_refuses_a_hub_whose_certificate_was_revoked_before_sending_anyth
         assert "Nothing was sent" in str(err.value)
     finally:
         client.close()
+
+
+def test_silos_of_one_process_share_one_checking_handshake_and_a_revoked_serial_seen_is_checked_afresh(
+        federation, monkeypatch) -> None:
+    handshakes = []
+
+    def counting(target, context, timeout_s=10.0):
+        handshakes.append(target)
+        return tls.hub_certificate(target, context, timeout_s)
+
+    monkeypatch.setattr(silo_client.client, "hub_certificate", counting)
+    silos = [client_for(federation) for _ in range(3)]  # one silo-sim host's silos: same hub, same CA
+    try:
+        for silo in silos:
+            silo._check_hub_certificate()
+        assert len(handshakes) == 1 and silos[1].hub_tls is None  # the others built no TLS context either
+        # A serial seen that this silo's CRL revokes is not trusted: the hub may present its new certificate now.
+        other = pki.issue_silo(federation["ca"], "s2", federation["root"] / "s2")
+        revoked = x509.load_pem_x509_certificate((other / "cert.pem").read_bytes()).serial_number
+        pki.revoke(federation["ca"], "s2")
+        shutil.copyfile(federation["ca"] / "crl.pem", federation["silo"] / "crl.pem")
+        HUB_SERIALS_SEEN.saw(federation["target"], (federation["silo"] / "ca.pem").read_bytes(), revoked)
+        silos[0]._check_hub_certificate()  # passes: a handshake of its own saw the hub's real serial
+        assert len(handshakes) == 2
+    finally:
+        for silo in silos:
+            silo.close()
 
 
 def test_a_silo_without_a_usable_revocation_list_says_which_file_and_what_to_do(federation) -> None:

@@ -81,3 +81,37 @@ def test_a_model_the_device_cannot_run_fails_at_start_with_what_to_do() -> None:
     rgb = torch.zeros(4, 3, 28, 28, dtype=torch.uint8)  # a network for one channel cannot take these
     with pytest.raises(SiloError, match=r"could not run the run's model \(small_cnn\) on device cpu: .*--device cpu"):
         rehearse(ModelSpec(in_channels=1), SiloData(images=rgb), torch.device("cpu"))
+
+
+def test_a_silo_told_to_load_when_sampled_joins_ready_on_its_file_count_and_loads_at_its_first_task(tmp_path):
+    write_images(tmp_path / "images", n=5)
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
+    app = HubApp(_config(tmp_path, allowed_silos=["dev-1"]), insecure_dev_only=True)
+    port = app.start_server()
+    joins: list[tuple[bool, int, int]] = []
+    real_join = app.hub.join
+
+    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False, serial=None):
+        joins.append((preparing, num_unlabeled, skipped_images))
+        return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing,
+                         serial=serial)
+
+    app.hub.join = recording_join
+    client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",
+                                     state_dir=tmp_path / "silo-state", insecure_dev_silo_id="dev-1",
+                                     load_when_sampled=True))
+    try:
+        client._join()
+        # One Join, ready at once, on the count of files; nothing decoded, no algorithm built yet.
+        assert joins == [(False, 6, 0)] and app.hub.live_silos() == ["dev-1"]
+        assert client.data is None and client.algorithm is None
+        client._load_if_deferred()  # what its first TRAIN or RECEIVE task does first
+        assert (len(client.data.images), client.skipped_images) == (5, 1) and client.algorithm is not None
+        client._load_if_deferred()  # loaded once
+        # The next join (a hub restart, say) declares what loaded; the hub keeps the lower count.
+        client._join()
+        assert joins[1:] == [(False, 5, 1)]
+        assert (app.hub.silos["dev-1"].num_unlabeled, app.hub.silos["dev-1"].declared_images) == (5, 5)
+    finally:
+        client.close()
+        app.stop(0)

@@ -233,3 +233,10 @@ def test_whole_set_passes_take_fewer_big_images_at_a_time():
     assert pass_batch_size(torch.zeros(3, 3, 64, 64), 500) == 500
     assert pass_batch_size(torch.zeros(3, 3, 224, 224), 500) == 40  # 224 px RGB: 40 at a time, not 500
     assert pass_batch_size(torch.zeros(3, 3, 2048, 2048), 500) == 1
+
+
+def test_counting_image_files_counts_what_listing_lists(tmp_path: Path):
+    for rel in ("a.png", "sub/b.JPG", "sub/deeper/c.jpeg", ".hidden.png", ".cache/d.png", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    assert silo_core.data.count_image_files(tmp_path) == len(silo_core.data.list_image_files(tmp_path)) == 3
