@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int,
                    help="silo hosts: worker processes, or Ray actors with --engine ray (default: one per CPU core, "
                         "with --engine ray as many as the cluster holds at --silo-cpus/--silo-gpus; at most --silos)")
+    p.add_argument("--load-at-join", action="store_true",
+                   help="each silo decodes its images before it joins, as silo-client does (default: a silo joins on "
+                        "its file count and decodes them when first sampled, so silos a run never samples cost no "
+                        "decoding and round 1 starts sooner)")
     p.add_argument("--engine", choices=["workers", "ray"], default="workers",
                    help="what hosts the silos: worker processes on this machine (default) or Ray actors (the ray "
                         'extra: pip install -e ".[ray]"); the hub is a local process either way')
@@ -256,26 +261,64 @@ def hub_port(staged) -> int:
         return probe.getsockname()[1]
 
 
-def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], float]:
-    """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes;
-    follow progress; return (rc, history, seconds).
+@dataclass
+class Launched:
+    """The hub and the worker processes, started as soon as the hub's part of the staging is written (launch):
+    their imports and the hub's loading run while the silos' files are still being linked, and each worker waits
+    for its spec file before it sets its silos up."""
 
-    The hosts start at once, not when the hub listens: their imports and their silos' set-up run while the hub
-    loads, and each host waits for the hub's port before its silos dial it (silo_sim/worker.py)."""
-    cores = os.cpu_count() or 2
-    workers = max(1, min(args.workers or cores, len(staged.silos)))
+    hub: subprocess.Popen
+    port: int
+    workers: list[subprocess.Popen]
+    started: float
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return [self.hub, *self.workers]
+
+
+def host_count(args: argparse.Namespace, silos: int) -> int:
+    """Silo hosts: --workers, else one per core; never more than silos; none for a hub-only algorithm."""
+    if not getattr(args, "needs_silos", True):
+        return 0
+    return max(1, min(args.workers or os.cpu_count() or 2, silos))
+
+
+def launch(staged, args) -> Launched:
+    """Start the hub, and with the default engine the worker processes (each waits for its worker-N.json)."""
     logs = staged.root / "logs"
     logs.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
     started = time.time()
-    if not getattr(args, "needs_silos", True):
-        workers = 0  # a hub-only algorithm (server-only): no silo has anything to do
     port = hub_port(staged)
     hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config),
                             "--port", str(port)],
                            stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
-    procs = [hub]
+    workers = []
+    if getattr(args, "engine", "workers") != "ray":
+        for w in range(host_count(args, args.silos)):
+            spec_path = staged.root / f"worker-{w}.json"
+            spec_path.unlink(missing_ok=True)
+            workers.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path),
+                                             "--wait-for-spec"],
+                                            stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT,
+                                            env=env))
+    return Launched(hub, port, workers, started)
+
+
+def run_federation(staged, args, rounds: int, launched: Launched | None = None) -> tuple[int, list[RoundRecord], float]:
+    """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes, or
+    adopt those `launch` started while staging; follow progress; return (rc, history, seconds).
+
+    The hosts start at once, not when the hub listens: their imports and their silos' set-up run while the hub
+    loads, and each host waits for the hub's port before its silos dial it (silo_sim/worker.py)."""
+    cores = os.cpu_count() or 2
+    launched = launched or launch(staged, args)
+    workers = len(launched.workers) or host_count(args, len(staged.silos))
+    logs = staged.root / "logs"
+    attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
+    started, hub, port = launched.started, launched.hub, launched.port
+    procs = launched.procs
     ray_hosts = None
     try:
         if getattr(args, "engine", "workers") == "ray" and workers:
@@ -296,17 +339,17 @@ def run_federation(staged, args, rounds: int) -> tuple[int, list[RoundRecord], f
                 "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
                 "watched": bool(getattr(args, "prometheus_targets", None)),
                 "ship_files": bool(getattr(args, "ship_silo_files", False)),
+                "load_when_sampled": not getattr(args, "load_at_join", False),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
                            "labels": str(s.labels), "attack": attacks.get(s.name)} for s in staged.silos[w::workers]],
             }
             spec_path = staged.root / f"worker-{w}.json"
-            spec_path.write_text(json.dumps(spec))
+            aside = spec_path.with_name(f".{spec_path.name}.tmp")  # whole or absent: its worker is waiting for it
+            aside.write_text(json.dumps(spec))
+            aside.replace(spec_path)
             if ray_hosts is not None:
                 ray_specs.append(spec)
-                continue
-            procs.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path)],
-                                          stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT, env=env))
         if ray_hosts is not None:
             ray_hosts.start(ray_specs)
         port_file = staged.hub_state_dir / "port"  # written once the hub listens (its /metrics port before it)
@@ -499,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = None
+    launched: list[Launched] = []
     try:
         from silo_core.algorithms import get_algorithm
         from silo_sim.attacks import check_attack
@@ -558,11 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
                       f"in {workdir} from {source.description} ...")
         t0 = time.time()
+        # The hub (and the worker processes) start once the hub's part is staged, while the silos' files are linked.
         staged = stage_federation(workdir, num_silos=args.silos, labels_per_class=args.labels_per_class,
                                   partition=args.partition, alpha=args.alpha, classes_per_silo=args.classes_per_silo,
-                                  unlabeled_limit=args.unlabeled, seed=args.seed, hub_config=hub_config, **extra)
-        console.print(f"staged in {time.time() - t0:.1f}s; starting the hub and {args.silos} silos over mutual TLS")
-        _, history, seconds = run_federation(staged, args, args.rounds)
+                                  unlabeled_limit=args.unlabeled, seed=args.seed, hub_config=hub_config,
+                                  hub_staged=lambda hub_part: launched.append(launch(hub_part, args)), **extra)
+        console.print(f"staged in {time.time() - t0:.1f}s; the hub started meanwhile; {args.silos} silos join over "
+                      f"mutual TLS")
+        _, history, seconds = run_federation(staged, args, args.rounds, launched[0])
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
@@ -599,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
+        for early in launched:  # stopped already unless staging failed after they started
+            _terminate(early.procs)
         if workdir is not None and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
 

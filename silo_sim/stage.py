@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ def as_files(images: ImageSet, name: str) -> ImageSet:
             shutil.rmtree(aside, ignore_errors=True)
     width = len(str(max(len(images) - 1, 0)))
     names = [class_folder_name(k, c, len(images.classes)) for k, c in enumerate(images.classes)]
-    paths = [folder / names[y] / f"{i:0{width}d}.png" for i, y in enumerate(images.labels.tolist())]
+    paths = [f"{folder}/{names[y]}/{i:0{width}d}.png" for i, y in enumerate(images.labels.tolist())]  # 70,000: no Paths
     size, channels = int(pixels.shape[2]), int(pixels.shape[1])
     return ImageSet(ImageFiles(paths, size, channels, workers=0), images.labels, list(images.classes))
 
@@ -171,12 +172,17 @@ def write_images(images: ImageSet, folder: Path, labeled: bool) -> None:
         save_png_folder(images, folder, labeled=labeled)
         return
     width = len(str(max(len(images) - 1, 0)))
-    targets = ([folder / class_folder_name(int(y), images.classes[int(y)], len(images.classes))
-                for y in images.labels.tolist()] if labeled else [folder] * len(images))
+    # Strings, not Paths: staging 1,000 silos links 60,000 files, and Path objects were most of its time.
+    if labeled:
+        class_dirs = {y: str(folder / class_folder_name(y, images.classes[y], len(images.classes)))
+                      for y in set(images.labels.tolist())}
+        targets = [class_dirs[y] for y in images.labels.tolist()]
+    else:
+        targets = [str(folder)] * len(images)
     for d in set(targets):
-        d.mkdir(parents=True, exist_ok=True)
-    for i, (path, target) in enumerate(zip(images.images.paths, targets, strict=True)):
-        link = target / f"{i:0{width}d}{path.suffix.lower()}"
+        os.makedirs(d, exist_ok=True)
+    for i, (path, target) in enumerate(zip(images.images.path_strings(), targets, strict=True)):
+        link = f"{target}/{i:0{width}d}{os.path.splitext(path)[1].lower()}"
         try:
             os.link(path, link)
         except OSError:  # another file system (or links not allowed): a copy
@@ -217,13 +223,16 @@ def stage_federation(
     silo_labels_per_class: int = 0,
     source: SimData | None = None,
     hub_host: str = "127.0.0.1",
+    hub_staged: Callable[[StagedFederation], None] | None = None,
 ) -> StagedFederation:
     """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
     the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
     `silo_labels_per_class` images per class of their shard as labeled images (partly labeled sites). The images
     come from `source` (default: the bundled demo subset); a source without a test set gives `test_per_class`
     images per class of its pool to the test set (default 100). The hub listens on `hub_host` (loopback unless
-    silos on other machines must reach it), which its certificate names beside localhost and 127.0.0.1."""
+    silos on other machines must reach it), which its certificate names beside localhost and 127.0.0.1.
+    `hub_staged(staged)` is called once the hub's files and hub.yaml are written, before the silos' (staged.silos
+    still empty): silo-sim starts the hub there."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     source = source or load_source("demo")
@@ -264,30 +273,6 @@ def stage_federation(
 
     staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
                               ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
-    # The silos' certificates are issued (one pass over the CA's inventory) while their images are linked or
-    # written: the one is mostly cryptography, the other file-system calls; at 1,000 silos each took about 2 s.
-    names = [silo_name(i) for i in range(1, len(parts) + 1)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread:
-        issued = certs_thread.submit(issue_silos, ca_dir, [(name, root / "pki" / "silos" / name) for name in names])
-        for i, idx in enumerate(parts, start=1):
-            name = silo_name(i)
-            base = root / "silos" / name
-            shard = pool.subset(np.sort(idx))
-            labeled_dir, num_labeled = None, 0
-            if i <= labeled_silos and silo_labels_per_class > 0:
-                picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
-                rest = np.setdiff1d(np.arange(len(shard)), picked)
-                labeled_dir, num_labeled = base / "labeled", len(picked)
-                write_images(shard.subset(picked), labeled_dir, labeled=True)
-                shard = shard.subset(rest)
-            data_dir = base / "images" if len(shard) else None
-            if data_dir is not None:
-                write_images(shard, data_dir, labeled=False)
-            (base / "labels.json").write_text(json.dumps([int(v) for v in shard.labels]))
-            staged.silos.append(SiloSpec(name, root / "pki" / "silos" / name, data_dir, base / "state",
-                                         base / "labels.json", len(shard), labeled_dir, num_labeled))
-        issued.result()
-
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
         "server": {"host": hub_host, "port": 0, "certs": "pki/hub", "linger_s": 10.0},
@@ -309,7 +294,42 @@ def stage_federation(
     if "factory" in config["model"]:  # the user's own network replaces the default name (setting both is an error)
         config["model"].pop("name", None)
     staged.hub_config.write_text(yaml.safe_dump(config, sort_keys=False))
+    if hub_staged is not None:  # the hub's part is complete: its files, its certificate, hub.yaml
+        hub_staged(staged)
+
+    # The silos' certificates are issued (one pass over the CA's inventory) while their images are linked or
+    # written: the one is mostly cryptography, the other file-system calls.
+    names = [silo_name(i) for i in range(1, len(parts) + 1)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread:
+        issued = certs_thread.submit(issue_silos, ca_dir, [(name, root / "pki" / "silos" / name) for name in names])
+        for i, idx in enumerate(parts, start=1):
+            name = silo_name(i)
+            base = root / "silos" / name
+            shard = pool.subset(np.sort(idx))
+            labeled, labeled_dir = None, None
+            if i <= labeled_silos and silo_labels_per_class > 0:
+                picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
+                labeled, labeled_dir = shard.subset(picked), base / "labeled"
+                shard = shard.subset(np.setdiff1d(np.arange(len(shard)), picked))
+            data_dir = base / "images" if len(shard) else None
+            _write_silo_files(base, shard, data_dir, labeled, labeled_dir)
+            staged.silos.append(SiloSpec(name, root / "pki" / "silos" / name, data_dir, base / "state",
+                                         base / "labels.json", len(shard), labeled_dir,
+                                         len(labeled) if labeled is not None else 0))
+        issued.result()
+
     return staged
+
+
+def _write_silo_files(base: Path, shard: ImageSet, data_dir: Path | None, labeled: ImageSet | None,
+                      labeled_dir: Path | None) -> None:
+    """One silo's images (unlabeled, and labeled when it has some) and the true labels of the unlabeled ones."""
+    if labeled is not None:
+        write_images(labeled, labeled_dir, labeled=True)
+    if data_dir is not None:
+        write_images(shard, data_dir, labeled=False)
+    os.makedirs(base, exist_ok=True)
+    (base / "labels.json").write_text(json.dumps(shard.labels.tolist()))
 
 
 def _merge(base: dict, extra: dict) -> dict:

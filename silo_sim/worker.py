@@ -63,7 +63,7 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
-                sim_attack=entry.get("attack"),
+                sim_attack=entry.get("attack"), load_when_sampled=bool(spec.get("load_when_sampled", False)),
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             hub_listening.wait()  # set up while the hub starts; dial it once it listens
@@ -117,11 +117,22 @@ def wait_for_listener(address: str, listening: threading.Event, stop: threading.
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="silo_sim.worker")
     p.add_argument("--spec", required=True, type=Path)
+    p.add_argument("--wait-for-spec", type=float, nargs="?", const=600.0, default=0.0, metavar="SECONDS",
+                   help="started while silo-sim still stages the silos: import what the silos need, then wait up to "
+                        "SECONDS (default 600) for the spec file to appear")
     args = p.parse_args(argv)
-    spec = json.loads(args.spec.read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if args.wait_for_spec:
+        import silo_client.client  # noqa: F401  (torch, gRPC, the algorithms: seconds of imports, done meanwhile)
+
+        end = time.monotonic() + args.wait_for_spec
+        while not args.spec.exists():
+            if stop.wait(0.05) or time.monotonic() > end:
+                print(f"no spec file {args.spec} within {args.wait_for_spec:g}s; stopping", file=sys.stderr)
+                return 1
+    spec = json.loads(args.spec.read_text())
     results = host_silos(spec, stop)
     return 1 if any(rc != 0 for rc in results.values()) else 0
 

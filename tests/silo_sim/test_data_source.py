@@ -115,3 +115,16 @@ def test_in_memory_images_are_encoded_once_then_linked_by_every_staging(tmp_path
         assert files and all(p.stat().st_nlink >= 2 for p in files)
     one, two = (list_image_files(s.silos[0].data) for s in (first, second))
     assert [p.stat().st_ino for p in one] == [p.stat().st_ino for p in two]  # same seed, same images
+
+
+def test_the_hub_part_is_complete_before_the_silos_are_staged(tmp_path) -> None:
+    seen = []
+
+    def hub_staged(staged) -> None:  # silo-sim starts the hub here
+        config = yaml.safe_load(staged.hub_config.read_text())
+        seen.append((config["rounds"]["min_silos"], len(staged.silos), (staged.root / "pki" / "hub").is_dir(),
+                     len(list_image_files(staged.root / "hub" / "labeled")), (staged.root / "silos").exists()))
+
+    staged = stage_federation(tmp_path / "fed", num_silos=3, labels_per_class=1, unlabeled_limit=30,
+                              test_per_class=1, seed=0, hub_staged=hub_staged)
+    assert seen == [(3, 0, True, 10, False)] and len(staged.silos) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -39,3 +40,17 @@ def test_past_the_timeout_or_on_stop_the_silos_are_let_go_to_report_what_they_fi
     stop.set()
     wait_for_listener(f"127.0.0.1:{_free_port()}", listening, stop, 60.0)
     assert listening.is_set()
+
+
+def test_a_worker_started_before_its_spec_waits_for_it_and_gives_up_past_its_wait(tmp_path):
+    from silo_sim.worker import main
+
+    spec = tmp_path / "worker-0.json"
+    writer = threading.Timer(0.5, lambda: spec.write_text(json.dumps({"hub": "127.0.0.1:1", "silos": []})))
+    writer.start()
+    started = time.monotonic()
+    assert main(["--spec", str(spec), "--wait-for-spec", "30"]) == 0  # read once written: no silos, nothing to do
+    assert 0.4 < time.monotonic() - started < 30
+    started = time.monotonic()
+    assert main(["--spec", str(tmp_path / "never.json"), "--wait-for-spec", "0.3"]) == 1
+    assert time.monotonic() - started < 10
