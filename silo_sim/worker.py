@@ -117,9 +117,9 @@ def wait_for_listener(address: str, listening: threading.Event, stop: threading.
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="silo_sim.worker")
     p.add_argument("--spec", required=True, type=Path)
-    p.add_argument("--wait-for-spec", type=float, nargs="?", const=600.0, default=0.0, metavar="SECONDS",
+    p.add_argument("--wait-for-spec", type=float, nargs="?", const=3600.0, default=0.0, metavar="SECONDS",
                    help="started while silo-sim still stages the silos: import what the silos need, then wait up to "
-                        "SECONDS (default 600) for the spec file to appear")
+                        "SECONDS (default 3600) for the spec file to appear")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()

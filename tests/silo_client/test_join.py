@@ -14,9 +14,8 @@ from tests.silo_server.test_hub import make_hub, result, start_round, upload, wa
 from tests.silo_server.test_insecure_dev import _config
 
 
-def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) -> None:
-    write_images(tmp_path / "images", n=5)
-    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")  # counted as a file, skipped when loading
+def _hub_recording_joins(tmp_path):
+    """A plaintext development hub that records (preparing, images declared, skipped) of every Join."""
     app = HubApp(_config(tmp_path, allowed_silos=["dev-1"]), insecure_dev_only=True)
     port = app.start_server()
     joins: list[tuple[bool, int, int]] = []
@@ -28,6 +27,13 @@ def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) 
                          serial=serial)
 
     app.hub.join = recording_join
+    return app, port, joins
+
+
+def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) -> None:
+    write_images(tmp_path / "images", n=5)
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")  # counted as a file, skipped when loading
+    app, port, joins = _hub_recording_joins(tmp_path)
     client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",
                                      state_dir=tmp_path / "silo-state", insecure_dev_silo_id="dev-1"))
     seen_while_loading: dict[str, list[str]] = {}
@@ -86,17 +92,7 @@ def test_a_model_the_device_cannot_run_fails_at_start_with_what_to_do() -> None:
 def test_a_silo_told_to_load_when_sampled_joins_ready_on_its_file_count_and_loads_at_its_first_task(tmp_path):
     write_images(tmp_path / "images", n=5)
     (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
-    app = HubApp(_config(tmp_path, allowed_silos=["dev-1"]), insecure_dev_only=True)
-    port = app.start_server()
-    joins: list[tuple[bool, int, int]] = []
-    real_join = app.hub.join
-
-    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False, serial=None):
-        joins.append((preparing, num_unlabeled, skipped_images))
-        return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing,
-                         serial=serial)
-
-    app.hub.join = recording_join
+    app, port, joins = _hub_recording_joins(tmp_path)
     client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",
                                      state_dir=tmp_path / "silo-state", insecure_dev_silo_id="dev-1",
                                      load_when_sampled=True))
