@@ -31,6 +31,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,39 @@ def unpack_share(spec: dict[str, Any], archive: bytes, into: Path) -> dict[str, 
         silos.append({**silo, **{key: str(base / key) for key in SILO_FILES if silo.get(key)},
                       "state_dir": str(base / "state")})
     return {**spec, "silos": silos, "metrics_port_file": str(into / "metrics_port")}
+
+
+SHARE_PREFIX = "silo-sim-share-"  # + <run token>-<actor pid>-<random>: an actor's unpacked silo files
+
+
+def share_folder(run_token: str) -> Path:
+    """A new folder in this node's temp folder for this actor's unpacked silo files, named by the run and the pid
+    of the actor that owns it (sweep_dead_shares reads both)."""
+    return Path(tempfile.mkdtemp(prefix=f"{SHARE_PREFIX}{run_token}-{os.getpid()}-"))
+
+
+def sweep_dead_shares(run_token: str, temp_dir: Path | None = None) -> list[Path]:
+    """Remove the unpacked copies that actors of this run left on this node when they were killed (the owner's
+    process is gone): they hold their silos' private keys, which must not outlive the run. A replacement actor
+    sweeps when it starts and every actor when it ends; a node where no actor of the run is left keeps them.
+    Returns the folders removed."""
+    removed = []
+    for folder in sorted(Path(temp_dir or tempfile.gettempdir()).glob(f"{SHARE_PREFIX}{run_token}-*")):
+        owner = folder.name[len(SHARE_PREFIX) + len(run_token) + 1:].split("-", 1)[0]
+        if owner.isdigit() and not _process_alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 class RayMissing(RuntimeError):
@@ -123,7 +157,9 @@ class SiloHost:
         if archive is None:
             self.metrics_port_file = Path(spec["metrics_port_file"])
             return host_silos(spec, self.stop_event)
-        share = Path(tempfile.mkdtemp(prefix="silo-sim-share-"))
+        token = spec["share_token"]
+        self._sweep(token)  # a replacement may land where the actor it replaces was killed
+        share = share_folder(token)
         try:
             spec = unpack_share(spec, archive, share)
             self.metrics_port_file = Path(spec["metrics_port_file"])
@@ -131,6 +167,12 @@ class SiloHost:
             return host_silos(spec, self.stop_event)
         finally:
             shutil.rmtree(share, ignore_errors=True)
+            self._sweep(token)
+
+    @staticmethod
+    def _sweep(token: str) -> None:
+        for folder in sweep_dead_shares(token):
+            logging.getLogger("silo_sim.ray").info("removed %s, the silo files of a killed actor of this run", folder)
 
     def metrics_address(self, timeout_s: float = 120.0) -> str | None:
         """HOST:PORT of this actor's /metrics endpoint once host_silos serves it (None if it never does)."""
@@ -241,6 +283,8 @@ class RaySiloHosts:
             specs = [{**spec, "device": "cpu"} if spec.get("device", "auto") == "auto" else spec for spec in specs]
         # The actors of the local Ray this sim started run on this machine: their /metrics stay on loopback.
         specs = [{**spec, "metrics_host": None if self.address else "127.0.0.1"} for spec in specs]
+        token = uuid.uuid4().hex[:12]  # names this run's unpacked copies on every node (sweep_dead_shares)
+        specs = [{**spec, "share_token": token} for spec in specs]
         self.shares = [HostedShare(i, spec) for i, spec in enumerate(specs)]
         self._archives = {}
         for share in self.shares:

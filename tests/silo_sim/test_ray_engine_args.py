@@ -1,5 +1,8 @@
 """The Ray engine's sizing and flag checks (silo_sim/ray_engine.py), without starting Ray."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,18 @@ def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state
         assert (Path(after["data"]) / "sub" / "0.png").read_bytes() == (Path(before["data"]) / "sub" / "0.png").read_bytes()
         assert Path(after["labels"]).read_text() == "[1, 2]"
         assert after["state_dir"] == str(node / before["name"] / "state")
+
+
+def test_the_sweep_removes_only_this_runs_copies_whose_actor_is_gone(tmp_path) -> None:
+    from silo_sim.ray_engine import SHARE_PREFIX, sweep_dead_shares
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names a process that no longer exists
+    folders = {name: tmp_path / f"{SHARE_PREFIX}{name}" for name in (
+        f"run1-{gone.pid}-abc", f"run1-{os.getpid()}-def", f"run2-{gone.pid}-ghi", "run1-notapid-jkl")}
+    for folder in folders.values():
+        (folder / "silo-001" / "certs").mkdir(parents=True)
+        (folder / "silo-001" / "certs" / "key.pem").write_text("secret")
+    assert sweep_dead_shares("run1", tmp_path) == [folders[f"run1-{gone.pid}-abc"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{SHARE_PREFIX}{name}" for name in folders if name != f"run1-{gone.pid}-abc")
