@@ -121,11 +121,17 @@ def count_image_files(root: Path) -> int:
 
 def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) -> None:
     """Refuse, with what to do, a run this silo's data cannot take part in."""
-    if silo.needs_true_labels and data.true_labels is None:
+    check_counts_for(algorithm, silo, len(data.images), data.num_labeled, data.true_labels is not None)
+
+
+def check_counts_for(algorithm: str, silo: type[SiloAlgorithm], num_unlabeled: int, num_labeled: int,
+                     has_true_labels: bool) -> None:
+    """check_data_for on counts: also what a silo that loads when sampled can tell from its files at join."""
+    if silo.needs_true_labels and not has_true_labels:
         raise SiloError(f"algorithm {algorithm} is the fully supervised ceiling: it trains on the silos' TRUE labels, "
                         f"which only a simulation has (silo-sim passes them); a real silo cannot take part")
-    has_unlabeled = len(data.images) > 0 and silo.trains_on_unlabeled
-    has_labeled = data.num_labeled > 0 and silo.trains_on_labeled
+    has_unlabeled = num_unlabeled > 0 and silo.trains_on_unlabeled
+    has_labeled = num_labeled > 0 and silo.trains_on_labeled
     if not (has_unlabeled or has_labeled):
         need = "--data (unlabeled images)" + (" or --labeled" if silo.trains_on_labeled else "")
         raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
@@ -386,6 +392,9 @@ class SiloClient:
         if loaded and self.data_key == data_key(run):
             self.run_work(self._set_up, run)
         elif self.s.load_when_sampled:
+            # What the files tell without decoding them is checked now, so that such a silo still fails at its start.
+            check_counts_for(run.algorithm, self._silo_algorithm(run), self.num_files, self.num_labeled_files,
+                             self.s.sim_labels is not None)
             self.data, self.algorithm = None, None
             self.metrics.joined(str(self.device), self.num_files + self.num_labeled_files, 0)
             return
@@ -440,9 +449,7 @@ class SiloClient:
         """The run's algorithm and model, checked against the loaded images."""
         self.data.silo_id, self.data.run_id = self.silo_id, run.run_id
         entry = get_algorithm(run.algorithm)
-        if entry.silo is None:
-            raise SiloError(f"algorithm {run.algorithm} runs at the hub only; silos have nothing to do")
-        check_data_for(run.algorithm, entry.silo, self.data)
+        check_data_for(run.algorithm, self._silo_algorithm(run), self.data)
         if self.data.num_labeled and not entry.silo.trains_on_labeled:
             self.log.warning("algorithm %s does not train on labeled images at silos; the %d in %s are ignored",
                              run.algorithm, self.data.num_labeled, self.s.labeled)
@@ -454,6 +461,13 @@ class SiloClient:
 
             self.algorithm = PoisonedSilo(self.algorithm, self.s.sim_attack)
             self.log.warning("SIMULATED ATTACK: this silo poisons its results (%s)", self.s.sim_attack)
+
+    @staticmethod
+    def _silo_algorithm(run: silo_pb2.RunDescription) -> type[SiloAlgorithm]:
+        silo = get_algorithm(run.algorithm).silo
+        if silo is None:
+            raise SiloError(f"algorithm {run.algorithm} runs at the hub only; silos have nothing to do")
+        return silo
 
     def _load(self, run: silo_pb2.RunDescription) -> SiloData:
         empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)

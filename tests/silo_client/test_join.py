@@ -111,3 +111,18 @@ def test_a_silo_told_to_load_when_sampled_joins_ready_on_its_file_count_and_load
     finally:
         client.close()
         app.stop(0)
+
+
+def test_a_silo_that_loads_when_sampled_still_fails_at_join_when_its_files_cannot_take_part(tmp_path):
+    write_images(tmp_path / "labeled" / "a", n=2)  # labeled images only: SemiFL trains on none of them
+    app, port, joins = _hub_recording_joins(tmp_path)
+    client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=None, labeled=tmp_path / "labeled",
+                                     device="cpu", state_dir=tmp_path / "silo-state", insecure_dev_silo_id="dev-1",
+                                     load_when_sampled=True))
+    try:
+        with pytest.raises(SiloError, match="algorithm semifl has nothing to train on at this silo; pass --data"):
+            client._join()
+        assert joins == [(False, 0, 0)] and client.data is None  # told from the file counts, nothing decoded
+    finally:
+        client.close()
+        app.stop(0)
