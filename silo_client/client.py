@@ -448,14 +448,14 @@ class SiloClient:
     def _set_up(self, run: silo_pb2.RunDescription) -> None:
         """The run's algorithm and model, checked against the loaded images."""
         self.data.silo_id, self.data.run_id = self.silo_id, run.run_id
-        entry = get_algorithm(run.algorithm)
-        check_data_for(run.algorithm, self._silo_algorithm(run), self.data)
-        if self.data.num_labeled and not entry.silo.trains_on_labeled:
+        silo = self._silo_algorithm(run)
+        check_data_for(run.algorithm, silo, self.data)
+        if self.data.num_labeled and not silo.trains_on_labeled:
             self.log.warning("algorithm %s does not train on labeled images at silos; the %d in %s are ignored",
                              run.algorithm, self.data.num_labeled, self.s.labeled)
-        options = entry.options.model_validate(json.loads(run.algorithm_options_json or "{}"))
+        options = get_algorithm(run.algorithm).options.model_validate(json.loads(run.algorithm_options_json or "{}"))
         self._check_model(run)
-        self.algorithm = entry.silo(options, model_spec_of(run), self.device)
+        self.algorithm = silo(options, model_spec_of(run), self.device)
         if self.s.sim_attack is not None:
             from silo_sim.attacks import PoisonedSilo  # simulation only (see SiloSettings.sim_attack)
 
