@@ -227,12 +227,7 @@ class AuditLog:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-        with open(self.path, "rb") as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-            try:
-                self._refresh(f)
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        self._reread()
 
     def _damaged(self, why: str) -> AuditError:
         return AuditError(f"audit log {self.path} cannot be continued: its last line {why}. Nothing more is "
@@ -269,13 +264,16 @@ class AuditLog:
     def head(self) -> tuple[int, str]:
         """(seq of the last record, its hash); (0, GENESIS) for an empty log. Re-read when another process has
         appended since."""
+        self._reread()
+        return self._head
+
+    def _reread(self) -> None:
         with open(self.path, "rb") as f:
             fcntl.flock(f, fcntl.LOCK_SH)
             try:
                 self._refresh(f)
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
-        return self._head
 
     def append(self, kind: str, /, **fields: Any) -> dict[str, Any]:
         """Write one record and return it once it is on disk (flushed and fsynced). Fields must be

@@ -59,6 +59,10 @@ class AdaptiveClipping(StrictConfig):
         None, gt=0, description="sigma_b, noise std on the unclipped count (default: max(expected silos / 20, "
                                 "1.64 z), i.e. at most 5% more noise on the update)"
     )
+    max_clip_norm: float | None = Field(
+        None, gt=0, description="the clip norm never grows past this (stated in the run's privacy terms, so a "
+                                "branch policy with a maximum clip can accept the run; default: no bound)"
+    )
 
 
 class DPConfig(StrictConfig):
@@ -81,6 +85,10 @@ class DPConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _adaptive_fits(self) -> DPConfig:
+        top = self.adaptive_clipping.max_clip_norm
+        if top is not None and top < self.clip_norm:
+            raise ValueError(f"adaptive_clipping.max_clip_norm ({top:g}) is below clip_norm ({self.clip_norm:g}), "
+                             "the clip a run starts at")
         sb = self.adaptive_clipping.count_noise_multiplier
         if self.adaptive_clipping.enabled and sb is not None and 2 * sb <= self.noise_multiplier:
             raise ValueError("adaptive_clipping.count_noise_multiplier must exceed noise_multiplier / 2")
@@ -357,6 +365,8 @@ class DPController:
             unclipped = min(1.0, max(0.0, noisy / contributors + 0.5))
             a = self.config.adaptive_clipping
             self.clip_norm = next_clip_norm(self.clip_norm, unclipped, a.target_quantile, a.learning_rate)
+            if a.max_clip_norm is not None:  # the bound the run's terms promise the silos
+                self.clip_norm = min(self.clip_norm, a.max_clip_norm)
         q = self.sample_rate(expected_silos, enrolled)
         self.accountant.step(self.config.noise_multiplier, q)
         self.rounds += 1

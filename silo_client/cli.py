@@ -25,9 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "without certificates; needs --silo-id. Never with real data")
     p.add_argument("--silo-id", help="with --insecure-dev-only: the silo id to declare (with TLS the id is the "
                                      "certificate's name)")
+    p.add_argument("--policy", type=Path, metavar="FILE",
+                   help="the branch's privacy policy (branch-policy.yaml, see docs/branch-operator.md): the silo "
+                        "refuses, before reading any image, a run whose privacy terms fall short of it, leaves a run "
+                        "whose tasks breach them, and stops at its epsilon ceilings. Without it the silo follows the "
+                        "hub's terms")
     p.add_argument("--model-factory", action="append", default=[], metavar="PKG.MODULE:CALLABLE",
-                   help="allow a run whose model this factory builds (repeat for several). A silo imports no code "
-                        "because the hub names it: without this, a run with model.factory is refused at join")
+                   help="allow a run whose model this factory builds (repeat for several; also the policy's "
+                        "model_factories). A silo imports no code because the hub names it: without this, a run "
+                        "with model.factory is refused at join")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--state-dir", type=Path, help="where this silo keeps its own state (default beside --data)")
     p.add_argument("--connect-timeout", type=float, default=300.0,
@@ -91,8 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_grpc_core(args.verbose)  # before anything imports grpc
     from security.tls import TlsError
-    from silo_client.client import SiloClient, SiloError, SiloSettings
+    from silo_client.client import SiloClient, SiloError, SiloLeft, SiloSettings
+    from silo_client.policy import PolicyError, load_policy
     from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS, DataError
+
+    try:
+        policy = load_policy(args.policy) if args.policy is not None else None
+    except PolicyError as err:
+        for line in str(err).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
 
     if args.threads:
         import torch
@@ -113,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             hub=args.hub, certs=args.certs, data=args.data, device=args.device, state_dir=args.state_dir,
             connect_timeout_s=args.connect_timeout, sim_labels=args.sim_labels, labeled=args.labeled,
             insecure_dev_silo_id=args.silo_id if args.insecure_dev_only else None, crl=args.crl,
-            model_factories=tuple(args.model_factory),
+            model_factories=tuple(args.model_factory), policy=policy,
             cache_mb=DEFAULT_CACHE_MB if args.cache_mb is None else args.cache_mb,
             loader_workers=DEFAULT_LOADER_WORKERS if args.loader_workers is None else args.loader_workers,
         ), metrics=metrics)
@@ -124,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except KeyboardInterrupt:
         return 130
+    except SiloLeft as left:  # this branch's policy: the reason is logged, recorded and told to the hub
+        print(f"error: {left} (policy clause {left.refusal.clause})", file=sys.stderr)
+        return 3
     except (DataError, TlsError, SiloError, ValueError, OSError) as err:
         if args.verbose:
             raise

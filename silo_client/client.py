@@ -14,16 +14,31 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
+from cryptography.hazmat.primitives import hashes
 
+from security.audit import AUDIT_FILE, AuditLog
 from security.crl import CrlError, RevocationList
 from security.pki import BUNDLE_CA, BUNDLE_CRL
+from security.secagg.identity import PeerVerifier, SiloIdentity
+from security.terms import (
+    FEATURES,
+    FIRST_RELEASE,
+    POLICY,
+    PROTOCOL_VERSION,
+    SIGNED_SECAGG,
+    clear_metrics_allowed,
+    describe,
+    task_breaches,
+    terms_sha256,
+)
+from security.terms import as_dict as terms_dict
 from security.tls import (
     describe_tls_failure,
     hub_certificate,
@@ -32,8 +47,11 @@ from security.tls import (
     secure_channel,
 )
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
-from silo_client.privacy import SiloPrivacy, upload_stage
+from silo_client.outbox import Outbox, PolicyStop, epsilon_fields, metrics_allowed
+from silo_client.policy import BranchPolicy, Refusal, allowed_factories, check_run, required_noise_std
+from silo_client.privacy import SessionFloor, SiloPrivacy
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
 from silo_core.augment import to_float
@@ -51,27 +69,25 @@ from silo_core.data import (
     count_image_files as count_listed_images,
 )
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
-from silo_core.tensors import (
-    CHUNK_BYTES,
-    DTYPES,
-    CodecError,
-    TensorSpec,
-    assemble,
-    check_tensors,
-    decode,
-    encode,
-    iter_chunks,
-    sha256_hex,
-)
+from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
 from silo_core.training import autocast, on_device, resolve_device
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
 NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
 
 
 class SiloError(RuntimeError):
     """A problem the operator of this silo must fix; the message says what and how."""
+
+
+class SiloLeft(SiloError):
+    """This silo refused the run or left it by its own policy (a typed refusal, told to the hub): nothing more of
+    it leaves the branch in this run. silo-client exits with status 3."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 class HubCertificateUnchecked(Exception):
@@ -108,9 +124,55 @@ class SiloSettings:
     loader_workers: int = DEFAULT_LOADER_WORKERS
     # Model factories ("package.module:callable") this silo's operator allows: the only code a run can make it import.
     model_factories: tuple[str, ...] = ()
+    # The branch's privacy policy (silo-client --policy; silo_client/policy.py). None: follow the hub's terms (still
+    # checking every task against them, and keeping the ledger and the audit).
+    policy: BranchPolicy | None = None
     # Join ready on the count of image files and decode them at this silo's first task instead of before joining:
     # silo-sim's silos, most of which a short run never samples (Flower's simulation builds a client when sampled).
     load_when_sampled: bool = False
+
+
+DEFAULT_DELTA = 1e-5  # the ledger's delta without a policy (a policy states its own)
+_SAID_NO_POLICY = threading.Event()
+
+
+def say_policy_once(log: logging.Logger, policy: BranchPolicy | None, state_dir: Path) -> None:
+    """Once per process: with no policy the silo follows the hub's terms (and says so); with one, its floor."""
+    if policy is None:
+        if not _SAID_NO_POLICY.is_set():
+            _SAID_NO_POLICY.set()
+            log.info("no branch policy (--policy): this silo follows the hub's privacy terms, checks every task "
+                     "against the terms pinned when it joins, and keeps its ledger and audit in %s", state_dir)
+        return
+    sa, dp, sd = policy.secure_aggregation, policy.client_dp, policy.sample_dp
+    parts = [f"secure aggregation over >= {sa.min_cohort} silos" if sa.required else "",
+             f"client-level DP (z >= {dp.min_noise_multiplier:g})" if dp.required else "",
+             "DP-SGD" if sd.required else "",
+             f"lifetime epsilon {policy.lifetime_epsilon:g}" if policy.lifetime_epsilon is not None else "",
+             "no clear metrics" if not policy.clear_metrics else ""]
+    log.info("branch policy: %s; ledger and audit in %s", ", ".join(p for p in parts if p) or "no floor beyond "
+             "the allowed algorithms and models", state_dir)
+
+
+def guards_against_hub(dp: silo_pb2.ClientDPTerms) -> bool:
+    """Client-level DP protects this silo from the hub only when the silos add the noise themselves (distributed);
+    central noise is added by the hub after it has seen the sum, so against the hub it guarantees nothing."""
+    return dp.enabled and dp.noise == "distributed"
+
+
+def least_update_bytes(run: silo_pb2.RunDescription) -> int:
+    """The fewest bytes one update of the run's model can take on the wire: every floating-point parameter of its
+    architecture (batch-norm statistics left out) in float16, the most compact the wire allows. A policy's
+    max_upload_bytes below it refuses the run at join; each real upload is checked exactly at the Outbox."""
+    sizes = {"float32": 2, "float16": 2, "bfloat16": 2, "float64": 2}
+    total = 0
+    for t in run.architecture:
+        if t.dtype in sizes and not t.name.endswith(("running_mean", "running_var")):
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += n * sizes[t.dtype]
+    return total
 
 
 def count_image_files(root: Path) -> int:
@@ -221,6 +283,15 @@ class ProcessChecks:
 PROCESS_CHECKS = ProcessChecks()
 
 
+@dataclass(frozen=True)
+class HubSeen:
+    """The certificate a hub presented in a verified handshake: its serial, and its sha256 fingerprint (for the
+    audit: which hub received what)."""
+
+    serial: int
+    fingerprint: str
+
+
 class HubSerialsSeen:
     """The serial of the certificate a hub presented in a verified handshake, by (hub address, trusted CA), shared
     by the silos of one process: a silo-sim host's hundreds of silos make one checking handshake a minute instead
@@ -228,17 +299,17 @@ class HubSerialsSeen:
     against its own revocation list; one silo-client process has one silo, so nothing is shared there."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[str, bytes], tuple[float, int]] = {}
+        self._seen: dict[tuple[str, bytes], tuple[float, HubSeen]] = {}
         self._lock = threading.Lock()
 
-    def recent(self, hub: str, ca_pem: bytes, within_s: float) -> int | None:
+    def recent(self, hub: str, ca_pem: bytes, within_s: float) -> HubSeen | None:
         with self._lock:
-            at, serial = self._seen.get((hub, ca_pem), (-math.inf, 0))
-        return serial if time.monotonic() - at < within_s else None
+            at, seen = self._seen.get((hub, ca_pem), (-math.inf, None))
+        return seen if time.monotonic() - at < within_s else None
 
-    def saw(self, hub: str, ca_pem: bytes, serial: int) -> None:
+    def saw(self, hub: str, ca_pem: bytes, seen: HubSeen) -> None:
         with self._lock:
-            self._seen[(hub, ca_pem)] = (time.monotonic(), serial)
+            self._seen[(hub, ca_pem)] = (time.monotonic(), seen)
 
 
 HUB_SERIALS_SEEN = HubSerialsSeen()
@@ -296,6 +367,15 @@ class SiloClient:
         else:
             self.channel = secure_channel(settings.hub, settings.certs, options=options)
         self.revocations = self._revocation_list()
+        self.state_dir = self._state_dir()
+        self.policy = settings.policy
+        # What leaves the branch: one door (Outbox), audited before it is sent; the silo's own privacy ledger.
+        self.audit = AuditLog(self.state_dir / AUDIT_FILE)
+        self.ledger = BranchLedger(self.state_dir, delta=self.policy.delta if self.policy else DEFAULT_DELTA)
+        self.hub_seen = HubSeen(0, "")
+        self.factories = allowed_factories(self.policy, settings.model_factories)
+        self.pinned: silo_pb2.PrivacyTerms | None = None  # the run's terms, checked and pinned at its first join
+        self.pinned_for = ""  # that run's id
         # A handshake of our own before joining: it checks the hub's certificate against the CRL, and tells a
         # verification failure that will not fix itself from a hub that is merely away. Its TLS context is built
         # when this silo first makes that handshake itself (see HubSerialsSeen).
@@ -304,6 +384,7 @@ class SiloClient:
         self.trusted_ca = (settings.certs / BUNDLE_CA).read_bytes() if self.checks_hub else b""
         self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
+        self.outbox = Outbox(self.stub, self.audit, self.policy, self._hub_identity)
         self.run: silo_pb2.RunDescription | None = None
         self.model_checked_for = ""  # the run whose model this silo checked it may and can build
         self.silo_id = ""
@@ -313,8 +394,13 @@ class SiloClient:
         self.rounds_done: list[int] = []
         self.skipped_images = 0
         self.skipped_at_load = 0  # files refused when the folders were loaded; the rest were found while training
-        self.privacy = SiloPrivacy(send_result=self._upload,
-                                   send_stage=lambda *args: upload_stage(self, *args))
+        identity = verifier = None
+        if self.checks_hub:  # secure aggregation: this silo signs its keys and checks its neighbours' certificates
+            identity = SiloIdentity.from_bundle(settings.certs)
+            verifier = PeerVerifier(self.trusted_ca, self._revoked)
+        self.privacy = SiloPrivacy(send_result=self.outbox.upload, send_stage=self.outbox.stage, identity=identity,
+                                   verifier=verifier)
+        say_policy_once(self.log, self.policy, self.state_dir)
 
     # ------------------------------------------------------------------ the hub's certificate
     def _revocation_list(self) -> RevocationList | None:
@@ -340,27 +426,45 @@ class SiloClient:
             return
         if time.monotonic() - self.hub_checked_at < unless_checked_within_s:
             return
-        serial = HUB_SERIALS_SEEN.recent(self.s.hub, self.trusted_ca, within_s=HUB_CHECK_EVERY_S)
-        if serial is None or self._revoked(serial):  # a revoked one afresh: the hub may have its new one by now
-            serial = self._hub_serial()
-            HUB_SERIALS_SEEN.saw(self.s.hub, self.trusted_ca, serial)
+        seen = HUB_SERIALS_SEEN.recent(self.s.hub, self.trusted_ca, within_s=HUB_CHECK_EVERY_S)
+        if seen is None or self._revoked(seen.serial):  # a revoked one afresh: the hub may have its new one by now
+            seen = self._hub_serial()
+            HUB_SERIALS_SEEN.saw(self.s.hub, self.trusted_ca, seen)
+        serial = seen.serial
         if not self._revoked(serial):
             self.hub_checked_at = time.monotonic()
+            self.hub_seen = seen
         else:
             raise SiloError(
                 f"the hub at {self.s.hub} presents certificate serial {serial:x}, which the federation CA revoked "
                 f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
                 f"was sent. Ask the federation's operator for the hub's current address and certificate")
 
+    def _hub_identity(self) -> dict[str, str]:
+        """For the audit: the hub certificate this silo's own handshake last verified (empty in dev mode)."""
+        seen = self.hub_seen
+        return {"serial": f"{seen.serial:x}" if seen.serial else "", "fingerprint": seen.fingerprint}
+
+    def _state_dir(self) -> Path:
+        """Where this silo keeps its state (ledger, audit, algorithm state): --state-dir, else beside its data."""
+        if self.s.state_dir is not None:
+            folder = Path(self.s.state_dir)
+        else:
+            anchor = self.s.data if self.s.data is not None else self.s.labeled
+            folder = anchor.parent / f".silokit-state-{anchor.name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
     def _revoked(self, serial: int) -> bool:
         return self.revocations is not None and self.revocations.is_revoked(serial)
 
-    def _hub_serial(self) -> int:
-        """The serial of the certificate the hub presents, from a verified handshake of this silo's own."""
+    def _hub_serial(self) -> HubSeen:
+        """The certificate the hub presents, from a verified handshake of this silo's own."""
         if self.hub_tls is None:
             self.hub_tls = hub_tls_context(self.s.certs)
         try:
-            return hub_certificate(self.s.hub, self.hub_tls).serial_number
+            cert = hub_certificate(self.s.hub, self.hub_tls)
+            return HubSeen(cert.serial_number, cert.fingerprint(hashes.SHA256()).hex())
         except ssl.SSLError as err:
             permanent = describe_tls_failure(err, self.s.hub)
             if permanent is not None:
@@ -387,8 +491,12 @@ class SiloClient:
         (_load_if_deferred); files found unreadable then lower its count at its next join."""
         self._check_hub_certificate()
         loaded = self.data is not None
+        if self.policy is not None and self.pinned is None:
+            # A branch with a policy says nothing of its data before it has checked the run's terms.
+            self._accept_terms(self._announce(preparing=True, with_counts=False))
         run = self._announce(preparing=not loaded and not self.s.load_when_sampled)
-        self._check_model(run)  # before loading any image
+        self._accept_terms(run)  # before loading any image
+        self._check_model(run)
         if loaded and self.data_key == data_key(run):
             self.run_work(self._set_up, run)
         elif self.s.load_when_sampled:
@@ -418,12 +526,16 @@ class SiloClient:
         PROCESS_CHECKS.once(("rehearse", repr(spec), str(self.device)),
                             lambda: rehearse(spec, self.data, self.device))
 
-    def _announce(self, preparing: bool) -> silo_pb2.RunDescription:
+    def _announce(self, preparing: bool, with_counts: bool = True) -> silo_pb2.RunDescription:
         num_images = len(self.data.images) if self.data is not None else self.num_files
         num_labeled = self.data.num_labeled if self.data is not None else self.num_labeled_files
-        reply = self.stub.Join(silo_pb2.JoinRequest(
-            client_version=VERSION, num_unlabeled=num_images, num_labeled=num_labeled, capabilities=list(ALGORITHMS),
-            device=str(self.device), skipped_images=self.skipped_images, preparing=preparing,
+        features = [f for f in FEATURES if f != SIGNED_SECAGG or self.privacy.identity is not None]
+        features = [f for f in features if f != POLICY or self.policy is not None]
+        reply = self.outbox.join(silo_pb2.JoinRequest(
+            client_version=VERSION, num_unlabeled=num_images if with_counts else 0,
+            num_labeled=num_labeled if with_counts else 0, capabilities=list(ALGORITHMS),
+            device=str(self.device), skipped_images=self.skipped_images if with_counts else 0, preparing=preparing,
+            protocol_version=PROTOCOL_VERSION, features=features,
         ), timeout=30)
         run = reply.run
         if self.run is None or run.run_id != self.run.run_id:
@@ -432,12 +544,73 @@ class SiloClient:
         self.run, self.silo_id = run, reply.silo_id
         return run
 
+    # ------------------------------------------------------------------ the run's terms and this branch's policy
+    def _accept_terms(self, run: silo_pb2.RunDescription) -> None:
+        """Check a run's privacy terms against this branch's policy, before any image is read, and pin them for
+        the run; a later join of the same run (the hub restarted) must state the same terms. Leaves (SiloLeft)
+        when they fall short."""
+        if self.pinned is not None and run.run_id == self.pinned_for:
+            if terms_sha256(run.terms) != terms_sha256(self.pinned):
+                self._leave(Refusal("breach", "terms", terms_sha256(self.pinned)[:16], terms_sha256(run.terms)[:16],
+                                    "the hub states other privacy terms than those pinned when this silo joined the "
+                                    "run; a run's terms may not change"))
+            return
+        if run.protocol_version < PROTOCOL_VERSION:
+            # Protocol 1 carried privacy instructions as a JSON string this silo no longer reads: following such a
+            # hub could send a result in the clear that it meant to be masked or noised.
+            self.outbox.pin(run.run_id, "")
+            self._leave(Refusal("refused", "protocol", f"protocol {PROTOCOL_VERSION}",
+                                f"protocol {run.protocol_version or 1}",
+                                f"the hub speaks wire protocol {run.protocol_version or 1} and states no privacy terms "
+                                f"this silo can check; the hub must run silokit {FIRST_RELEASE[PROTOCOL_VERSION]} or "
+                                f"newer (upgrade the hub first, then the branches)"))
+        digest = terms_sha256(run.terms)
+        self.outbox.pin(run.run_id, digest, int(run.chunk_bytes))
+        self.audit.append("terms", hub=self._hub_identity(), run=run.run_id, terms=terms_dict(run.terms),
+                          terms_sha256=digest, protocol_version=run.protocol_version)
+        if self.policy is not None:
+            dp = run.terms.client_dp
+            one_round = self.ledger.client_epsilon_after(run.run_id, dp.noise_multiplier) if dp.enabled else None
+            refusal = check_run(self.policy, run, factories=self.factories,
+                                lifetime_spent=self.ledger.lifetime_epsilon(exclude_run=run.run_id),
+                                client_epsilon_one_round=one_round, model_bytes=least_update_bytes(run))
+            if refusal is not None:
+                self._leave(refusal)
+        self.pinned, self.pinned_for = silo_pb2.PrivacyTerms(), run.run_id
+        self.pinned.CopyFrom(run.terms)
+        dp = run.terms.client_dp
+        self.ledger.begin_run(run.run_id, hub_serial=self._hub_identity()["serial"],
+                              hub_fingerprint=self.hub_seen.fingerprint, terms_sha256=digest,
+                              client_dp_noise=dp.noise_multiplier if guards_against_hub(dp) else None,
+                              sample_dp=run.terms.sample_dp.enabled)
+        for line in describe(run.terms):
+            self.log.info("run %s terms: %s", run.run_id[:8], line)
+
+    def _leave(self, refusal: Refusal) -> None:
+        """Record why, tell the hub (typed), note it in the ledger, and stop taking part (SiloLeft)."""
+        self.log.error("%s: %s (%s)", {"refused": "refusing the run", "breach": "policy breach, leaving the run",
+                                       "budget": "privacy budget reached, leaving the run"}[refusal.kind],
+                       refusal.message, refusal.clause)
+        if self.outbox.run_id:
+            self.ledger.record_leave(self.outbox.run_id, refusal.kind, refusal.clause, refusal.message)
+        self.metrics.departed(refusal.kind)
+        self.outbox.leave(refusal)
+        raise SiloLeft(refusal)
+
+    def _check_task(self, task: silo_pb2.Task) -> None:
+        """A task must ask for no less than the pinned terms promise (security/terms.py task_breaches)."""
+        breaches = task_breaches(self.pinned or silo_pb2.PrivacyTerms(), task.privacy)
+        if breaches:
+            b = breaches[0]
+            self._leave(Refusal("breach", b.clause, b.pinned, b.asked, f"round {task.round}: {b.message}",
+                                task.round))
+
     def _check_model(self, run: silo_pb2.RunDescription) -> None:
         """The run's model is one this silo may build (check_model_allowed) and builds the same here as at the
         hub (check_architecture); checked once per run."""
         if self.model_checked_for == run.run_id:
             return
-        check_model_allowed(run, self.s.model_factories)
+        check_model_allowed(run, self.factories)
         try:
             PROCESS_CHECKS.once(("architecture", run.SerializeToString(deterministic=True)),
                                 lambda: check_architecture(run, model_spec_of(run)))
@@ -493,10 +666,7 @@ class SiloClient:
         if skipped:
             self.log.warning("%d of %d image files skipped as unreadable", len(skipped),
                              self.num_files + self.num_labeled_files)
-        anchor = self.s.data if self.s.data is not None else self.s.labeled
-        state_dir = self.s.state_dir or (anchor.parent / f".silokit-state-{anchor.name}")
-        state_dir.mkdir(parents=True, exist_ok=True)
-        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=state_dir,
+        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=self.state_dir,
                         silo_id=self.silo_id, labeled_images=labeled, labeled_labels=labels)
 
     def _loading(self) -> dict[str, float | int]:
@@ -530,30 +700,14 @@ class SiloClient:
 
     # ------------------------------------------------------------------ one task
     def _download(self, task: silo_pb2.Task) -> dict[str, torch.Tensor]:
-        stream = self.stub.Download(silo_pb2.DownloadRequest(run_id=self.run.run_id, task_id=task.task_id),
-                                    timeout=600)
+        stream = self.outbox.download(silo_pb2.DownloadRequest(run_id=self.run.run_id, task_id=task.task_id),
+                                      task.round, timeout=600)
         payload = assemble(((c.offset, c.data) for c in stream), task.bundle_bytes, task.bundle_sha256,
                            max_bytes=max(task.bundle_bytes, 1))
         self.metrics.received(len(payload))
         tensors = decode(payload)
         # float16 on the wire (wire.half_precision) is widened back before training.
         return {k: (v.float() if v.dtype == torch.float16 else v) for k, v in tensors.items()}
-
-    def _upload(self, task: silo_pb2.Task, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
-                skipped: bool) -> None:
-        payload = encode(tensors) if tensors else b""
-        header = silo_pb2.UploadHeader(
-            run_id=self.run.run_id, task_id=task.task_id, round=task.round, total_bytes=len(payload),
-            sha256=sha256_hex(payload), skipped=skipped, metrics=metrics,
-        )
-
-        def messages() -> Iterator[silo_pb2.UploadMessage]:
-            yield silo_pb2.UploadMessage(header=header)
-            for offset, data in iter_chunks(payload, int(self.run.chunk_bytes) or CHUNK_BYTES):
-                yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
-
-        self.stub.Upload(messages(), timeout=600)
-        self.metrics.sent(len(payload))
 
     def _plan(self, task: silo_pb2.Task) -> RoundPlan:
         """The round's plan: the task's fields and its downloaded bundle (TRAIN and RECEIVE alike)."""
@@ -575,9 +729,64 @@ class SiloClient:
         self.log.info("round %d: not sampled; received the model and used it in %.1fs, nothing sent", task.round,
                       time.time() - started)
 
+    def _sample_dp_budget(self, task: silo_pb2.Task) -> float | None:
+        """The DP-SGD epsilon this run may reach at this silo: the hub's budget, the policy's ceiling per run, and
+        what the policy's lifetime budget leaves after earlier runs (when client-level DP does not already bound
+        every image this round). None: no limit."""
+        sd, run_id = task.privacy.sample_dp, self.run.run_id
+        limits = [sd.epsilon_budget] if sd.epsilon_budget else []
+        p = self.policy
+        if p is not None and p.sample_dp.max_epsilon_per_run is not None:
+            limits.append(p.sample_dp.max_epsilon_per_run)
+        if p is not None and p.lifetime_epsilon is not None and not self._client_covers_lifetime(task):
+            limits.append(p.lifetime_epsilon - self.ledger.lifetime_epsilon(exclude_run=run_id))
+        return min(limits) if limits else None
+
+    def _client_epsilon_after(self, task: silo_pb2.Task) -> float | None:
+        """This silo's client-level epsilon after this round by its own accounting (None: no guarantee of that
+        kind against the hub in this run)."""
+        dp = self.pinned.client_dp if self.pinned is not None else None
+        if dp is None or not guards_against_hub(dp) or not task.privacy.client_dp.enabled:
+            return None
+        return self.ledger.client_epsilon_after(self.run.run_id, dp.noise_multiplier)
+
+    def _client_covers_lifetime(self, task: silo_pb2.Task) -> bool:
+        after = self._client_epsilon_after(task)
+        p = self.policy
+        return (after is not None and p is not None and p.lifetime_epsilon is not None
+                and self.ledger.lifetime_epsilon(exclude_run=self.run.run_id) + after <= p.lifetime_epsilon)
+
+    def _check_budget(self, task: silo_pb2.Task) -> None:
+        """Before training: a round that would take this silo past its policy's client-level ceiling per run, or
+        past its lifetime budget with nothing else to bound it, is refused, and the silo leaves the run."""
+        p = self.policy
+        after = self._client_epsilon_after(task)
+        if p is None or after is None:
+            return
+        ceiling = p.client_dp.max_epsilon_per_run
+        if ceiling is not None and after > ceiling:
+            self._leave(Refusal("budget", "client_dp.max_epsilon_per_run", f"{ceiling:g}", f"{after:.4g}",
+                                f"round {task.round} would take this silo's client-level epsilon in the run to "
+                                f"{after:.4g}, past the policy's ceiling of {ceiling:g}", task.round))
+        spent = self.ledger.lifetime_epsilon(exclude_run=self.run.run_id)
+        if (p.lifetime_epsilon is not None and spent + after > p.lifetime_epsilon
+                and not task.privacy.sample_dp.enabled):
+            self._leave(Refusal("budget", "lifetime_epsilon", f"{p.lifetime_epsilon:g}", f"{spent + after:.4g}",
+                                f"round {task.round} would take this branch's lifetime epsilon to {spent + after:.4g}, "
+                                f"past the policy's budget of {p.lifetime_epsilon:g}", task.round))
+
     def _train(self, task: silo_pb2.Task) -> None:
         self._load_if_deferred()
+        self._check_task(task)
+        self._check_budget(task)
         plan = self._plan(task)
+        private = task.HasField("privacy")
+        sd = task.privacy.sample_dp
+        if sd.enabled:  # DP-SGD as the pinned terms say, within this branch's own budgets
+            budget = self._sample_dp_budget(task)
+            # At the ledger's delta (the policy's), so the DP-SGD figure and the ledger's agree.
+            plan.hyperparameters["sample_dp"] = {"noise_multiplier": sd.noise_multiplier, "clip_norm": sd.clip_norm,
+                                                 "delta": self.ledger.delta, "epsilon_budget": budget}
         expected = plan.expected
         started = time.time()
         result = self.algorithm.local_update(plan, self.data)
@@ -589,14 +798,25 @@ class SiloClient:
             tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
                        for k, v in result.tensors.items()}
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
-        sample_dp = "sample_dp" in plan.hyperparameters
-        if task.privacy_json:  # DP and/or secure aggregation: silo_client/privacy.py decides what leaves
-            sent = self.privacy.submit(self.silo_id, task, result, expected)
+        secagg = bool(task.privacy.secagg_session)
+        epsilon = self._charge(task, metrics) if (secagg or not result.skipped) else None
+        if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves
+            policy = self.policy
+            floor = SessionFloor(
+                min_cohort=max(self.pinned.secure_aggregation.min_cohort,
+                               policy.secure_aggregation.min_cohort if policy else 0),
+                min_threshold=policy.secure_aggregation.min_threshold if policy else 0)
+            sent = self.privacy.submit(self.silo_id, self.run.run_id, task, result, expected,
+                                       noise_std=required_noise_std(policy, self.pinned, task.privacy), floor=floor,
+                                       epsilon=epsilon)
         else:
-            # Under sample-level DP only the DP-SGD update leaves: counts of this silo's images would not be covered.
-            self._upload(task, tensors, {} if sample_dp else metrics, result.skipped)
+            # Only the clear metrics the terms ask for leave (none under sample-level DP: DP-SGD covers only the
+            # update); the Outbox keeps them all in when the policy says so.
+            asked = clear_metrics_allowed(self.pinned, task.privacy if private else None)
+            self.metrics.sent(self.outbox.upload(task, tensors, metrics_allowed(metrics, asked), result.skipped,
+                                                 epsilon))
             sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
-        if sample_dp and "sample_dp_epsilon" in metrics:
+        if sd.enabled and "sample_dp_epsilon" in metrics:
             spent = " (budget reached: no more training)" if metrics.get("sample_dp_budget_spent") else ""
             self.log.info("round %d: sample-level DP epsilon %.4g at delta %g%s", task.round,
                           metrics["sample_dp_epsilon"], plan.hyperparameters["sample_dp"]["delta"], spent)
@@ -604,6 +824,24 @@ class SiloClient:
         self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round, sent,
                       metrics["train_seconds"], int(metrics.get("pl_selected", 0)), int(metrics.get("pl_total", 0)))
+        if sd.enabled and metrics.get("sample_dp_budget_spent") and self.policy is not None:
+            self._leave(Refusal("budget", "sample_dp.max_epsilon_per_run", f"{plan.hyperparameters['sample_dp']['epsilon_budget']:g}",
+                                f"{metrics.get('sample_dp_epsilon', 0.0):.4g}",
+                                f"round {task.round}: one more round of DP-SGD would pass this silo's epsilon budget "
+                                "for the run", task.round))
+
+    def _charge(self, task: silo_pb2.Task, metrics: dict[str, float]) -> dict | None:
+        """The ledger's entry for this round, written before anything derived from it leaves: one client-level
+        step when the round's noise guards against the hub, the DP-SGD total the algorithm reports. Returns the
+        figures the audit records with every message of the round."""
+        dp = self.pinned.client_dp
+        charged = dp.noise_multiplier if (guards_against_hub(dp) and task.privacy.client_dp.enabled) else None
+        sample = metrics.get("sample_dp_epsilon") if task.privacy.sample_dp.enabled else None
+        figures = self.ledger.record_round(self.run.run_id, task.round, client_dp_noise=charged,
+                                           sample_epsilon=sample, task=task.task_id)
+        lifetime = self.ledger.lifetime_epsilon()
+        self.metrics.epsilon(figures.client, figures.sample, figures.image, lifetime)
+        return epsilon_fields(figures, lifetime)
 
     # ------------------------------------------------------------------ the loop
     def run_forever(self) -> int:
@@ -617,7 +855,7 @@ class SiloClient:
                     joined = True
                 # The hub holds the call until it has work for this silo (up to its server.long_poll_s, and a second
                 # short of this deadline), so an idle silo costs it almost nothing.
-                task = self.stub.NextTask(silo_pb2.NextTaskRequest(
+                task = self.outbox.poll(silo_pb2.NextTaskRequest(
                     run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
                 ), timeout=NEXT_TASK_TIMEOUT_S)
                 backoff, unreachable_since, refused_since = 1.0, None, None
@@ -655,6 +893,8 @@ class SiloClient:
             except CodecError as err:
                 self.log.warning("bad bundle from the hub (%s); asking again", err)
                 self.stop_event.wait(1.0)
+            except PolicyStop as stop:  # something about to leave was outside the policy: nothing was sent
+                self._leave(stop.refusal)
             except HubTlsRefused as err:
                 # Another CA, a wrong host name, an expired certificate: retrying for --connect-timeout would not
                 # help. A short grace covers a certificate being swapped on the hub just now.

@@ -51,6 +51,16 @@ class SiloMetricFamilies:
                                            s, registry=r)
         self.sample_dp_epsilon = Gauge("silokit_silo_sample_dp_epsilon", "Sample-level DP epsilon this silo has "
                                        "spent in the run (privacy.sample_dp), at the hub's delta.", s, registry=r)
+        # The silo's own ledger (silo_client/ledger.py), by which guarantee each figure is, at the policy's delta:
+        self.epsilon = Gauge(
+            "silokit_silo_epsilon", "Epsilon by this silo's own ledger, never the hub's numbers. guarantee="
+            "\"client_dp\": client-level DP with distributed noise in this run, holds only while at least the round's "
+            "minimum number of cohort silos add their noise honestly; \"sample_dp\": DP-SGD in this run, holds "
+            "against any hub; \"image\": the tighter of the two for one image in this run (NaN: no guarantee); "
+            "\"lifetime\": the sum of the runs' image epsilons across all runs and hubs.", ["silo", "guarantee"],
+            registry=r)
+        self.departures = Counter("silokit_silo_departures", "Runs this silo refused or left by its policy, by kind "
+                                  "(refused, breach, budget).", ["silo", "kind"], registry=r)
         self.local_loss = Gauge("silokit_silo_local_loss", "Mean local training loss in the last trained round.", s,
                                 registry=r)
         self.received = Counter("silokit_silo_received_bytes", "Bytes of round bundles downloaded from the hub.", s,
@@ -84,6 +94,8 @@ class SiloMetrics:
                       families.local_loss):
             gauge.labels(silo).set(NAN)  # unknown until the first round, not zero
         families.last_contact.labels(silo).set(0)
+        for guarantee in ("client_dp", "sample_dp", "image", "lifetime"):
+            families.epsilon.labels(silo, guarantee).set(NAN)  # no round charged yet
         if certs is not None:
             families.certificates.files[silo] = Path(certs) / "cert.pem"
 
@@ -133,6 +145,16 @@ class SiloMetrics:
 
     def hub_error(self, code: str) -> None:
         self.f.hub_errors.labels(self.silo, code).inc()
+
+    def epsilon(self, client: float | None, sample: float | None, image: float, lifetime: float) -> None:
+        """The ledger's figures after a round (None: that guarantee does not apply in this run)."""
+        for guarantee, value in (("client_dp", client), ("sample_dp", sample), ("image", image),
+                                 ("lifetime", lifetime)):
+            self.f.epsilon.labels(self.silo, guarantee).set(NAN if value is None or value == float("inf")
+                                                           else value)
+
+    def departed(self, kind: str) -> None:
+        self.f.departures.labels(self.silo, kind).inc()
 
 
 class _CertificateCollector(Collector):

@@ -138,6 +138,7 @@ class SecAggRound:
     threshold: int  # t, shares needed to recover a secret
     bytes_in: int
     bytes_out: int
+    consistency: int = 0  # silos that signed the survivor set (the consistency round; 0 in older records)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # advertise_keys, share_keys, masked_input, unmasking
 
     @property
@@ -153,6 +154,7 @@ class SecAggRound:
 
     def to_json(self) -> dict[str, float]:
         out: dict[str, float] = {f"secagg_{name}": getattr(self, name) for name in self._COUNTS}
+        out["secagg_consistency"] = self.consistency
         out["secagg_contributors"] = self.contributors  # kept for readers of older history.json files
         out.update({f"secagg_{stage}_seconds": s for stage, s in self.stage_seconds.items()})
         return out
@@ -161,6 +163,7 @@ class SecAggRound:
     def from_json(cls, d: Mapping[str, Any]) -> SecAggRound:
         stages = {m.group(1): _number(v, k) for k, v in d.items() if (m := _SECAGG_STAGE.match(k))}
         return cls(**{name: _count(d[f"secagg_{name}"], f"secagg_{name}") for name in cls._COUNTS},
+                   consistency=_count(d.get("secagg_consistency", 0), "secagg_consistency"),  # 0: an older record
                    stage_seconds=stages)
 
 

@@ -18,10 +18,15 @@ import torch
 from cryptography import x509
 
 import silo_core
+from security.audit import AUDIT_FILE, AuditError, AuditLog, read_records
 from security.crl import RevocationList
 from security.gate import PeerGate
 from security.pki import BUNDLE_CA, BUNDLE_CRL, cert_days_left
+from security.secagg.identity import PeerVerifier
+from security.terms import PROTOCOL_VERSION, run_terms, terms_sha256
+from security.terms import as_dict as terms_dict
 from security.tls import ReloadingServerCredentials
+from silo.v1 import silo_pb2
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubData, HubState
 from silo_core.data import (
@@ -114,6 +119,10 @@ class HubApp:
         self.algorithm = entry.hub(self.options, self.spec, hub_data, self.device, config.run.seed,
                                    config.rounds.total)
         self.initial_weights_report = self.load_initial_weights()
+        # The hub's own hash-chained audit (security/audit.py): runs and their config's hash, joins, silos that
+        # left and why, refusals (once a minute per silo and reason), every checkpoint written. `silo-audit verify`
+        # checks it as it checks a silo's.
+        self.audit = AuditLog(Path(config.run.state_dir) / AUDIT_FILE)
         r = config.rounds
         self.hub = Hub(
             self.algorithm,
@@ -136,6 +145,7 @@ class HubApp:
             validate=self.validate if validation is not None else None,
             seed=config.run.seed,
             privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
+            audit=self.audit,
             round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
                                    if config.privacy.sample_dp.enabled else None),
             aggregation=config.aggregation,
@@ -145,7 +155,7 @@ class HubApp:
         self.best = (load_best_round(config.run.state_dir, self.hub.run_id) if validation is not None
                      else BestRound())
         self.metrics = (HubMetrics(self.hub, certs=config.server.certs,
-                                   version=getattr(silo_core, "__version__", "0.1.0"))
+                                   version=getattr(silo_core, "__version__", "0.2.0"))
                         if config.metrics.enabled else None)
         self.server: FederationServer | None = None
         self.port: int | None = None
@@ -200,7 +210,32 @@ class HubApp:
             "std": self.spec.std,
             "max_upload_bytes": c.wire.max_upload_bytes,
             "chunk_bytes": c.wire.chunk_bytes,
+            "terms": self.terms(),
         }
+
+    def terms(self) -> silo_pb2.PrivacyTerms:
+        """The run's privacy terms (security/terms.py), pinned for the run and stated in the run description."""
+        c, p = self.config, self.config.privacy
+        silo = get_algorithm(c.algorithm.name).silo
+        asked = [*silo.clear_metrics, "train_seconds"] if (silo is not None and p.clear_metrics) else []
+        rate = c.rounds.silos_per_round if c.rounds.silos_per_round_count is None else 0.0
+        return run_terms(secure_aggregation=p.secure_aggregation, dp=p.dp, sample_dp=p.sample_dp,
+                         total_rounds=c.rounds.total, min_cohort=p.secure_aggregation.min_cohort,
+                         clear_metrics=asked, sample_rate=rate, signed=not self.insecure_dev_only)
+
+    def departures(self) -> dict[str, dict[str, Any]]:
+        """The silos that refused this run's terms or left it, and why, as the hub's audit recorded them (the last
+        word of each silo; a silo that joined again afterwards is not listed): for --check and the model card."""
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            for _, record in read_records(self.audit.path):
+                if record.get("kind") == "silo_departed" and record.get("run") == self.hub.run_id:
+                    out[record["silo"]] = record
+                elif record.get("kind") == "join" and not record.get("preparing"):
+                    out.pop(record.get("silo"), None)
+        except AuditError as err:
+            log.warning("cannot read the hub's audit to list departed silos: %s", err)
+        return out
 
     def evaluate(self, state: HubState) -> dict[str, float]:
         model = self.algorithm.served_model(state)
@@ -226,6 +261,10 @@ class HubApp:
         gate = self.make_gate()
         if gate.revocations is not None:  # a silo busy training is evicted from its round when it is revoked
             self.hub.is_revoked = gate.revocations.is_revoked
+            if self.hub.privacy is not None:  # secure aggregation checks every silo's signed keys, as silos do
+                self.hub.privacy.verifier = PeerVerifier((Path(s.certs) / BUNDLE_CA).read_bytes(),
+                                                         gate.revocations.is_revoked)
+                self.hub.privacy.run_id = self.hub.run_id
         # Threads only for the hub calls that may block (join, download, upload); waiting silos hold none.
         self.pool = futures.ThreadPoolExecutor(max_workers=s.max_workers, thread_name_prefix="hub-call")
         servicer = FederationServicer(
@@ -347,6 +386,9 @@ class HubApp:
         # while the silos load their images.
         if self.hub.state is None:
             self.hub.load_state()
+        self.audit.append("run_start", run=self.hub.run_id, config_sha256=config_sha256(self.config),
+                          terms_sha256=terms_sha256(self.hub.terms), protocol_version=PROTOCOL_VERSION,
+                          resumed_after_round=self.hub.state.round if self.hub.state is not None else 0)
         if self.server is None:
             self.start_server()
 
@@ -388,7 +430,7 @@ class HubApp:
         card = {
             "format": "silokit model card v1",
             "created": dt.datetime.now(dt.UTC).isoformat(),
-            "silokit_version": getattr(silo_core, "__version__", "0.1.0"),
+            "silokit_version": getattr(silo_core, "__version__", "0.2.0"),
             "run_id": self.hub.run_id,
             "run_name": self.config.run.name,
             "algorithm": self.config.algorithm.name,
@@ -412,6 +454,9 @@ class HubApp:
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
             "initial_weights": self.initial_weights_card(),
             "stopped_early": self.hub.stopped_reason or None,
+            "privacy_terms": {"sha256": terms_sha256(self.hub.terms), "terms": terms_dict(self.hub.terms)},
+            "silos_departed": {s: {k: d[k] for k in ("departure", "clause", "required", "offered", "message")}
+                               for s, d in sorted(self.departures().items())},
             "weights_file": weights.name,
             "weights_sha256": sha256_hex(weights.read_bytes()),
             "weights_round": state.round,  # the round whose model weights_file holds (best_round has its own)
@@ -445,3 +490,9 @@ class HubApp:
 
 def describe(config: HubConfig) -> str:
     return json.dumps(config.model_dump(mode="json"), indent=2)
+
+
+def config_sha256(config: HubConfig) -> str:
+    """A fingerprint of the validated config (canonical JSON): the audit records it per run, never the config
+    itself, whose paths name the hub's data."""
+    return sha256_hex(json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode())

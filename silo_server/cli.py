@@ -82,6 +82,17 @@ def main(argv: list[str] | None = None) -> int:
             for line in plan_lines(config.privacy, config.security.max_update_norm,
                                    getattr(config.rounds, "silos_per_round_count", None)):
                 print(line)
+            from security.terms import describe as describe_terms
+            from security.terms import terms_sha256
+
+            print(f"privacy terms stated to every silo (sha256 {terms_sha256(app.hub.terms)[:16]}), pinned for the run:")
+            for line in describe_terms(app.hub.terms):
+                print(f"  {line}")
+            departed = app.departures()
+            if departed:
+                print(f"silos that refused or left run {app.hub.run_id[:8]} (the hub's audit):")
+                for silo, d in sorted(departed.items()):
+                    print(f"  {silo}: {d['departure']} ({d['clause']}): {d['message']}")
             resumed = app.hub.load_state()  # verified as a real start would, without training anything
             print(f"checkpoint: resumes after round {resumed.round}" if resumed is not None else
                   f"checkpoint: none in {config.run.state_dir}; the run starts with the hub's initial training")

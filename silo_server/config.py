@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
-from silo_core.config_base import ConfigPath, StrictConfig
+from silo_core.config_base import ConfigPath, StrictConfig, format_validation_error
 from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS
 from silo_core.models import RUN_WEIGHTS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
@@ -338,31 +338,6 @@ def _resolve_paths(node: Any, base: Path) -> None:
 
 
 # What to write instead, for the type errors that strict parsing raises (YAML's `true`, `'10'`, `.inf`, ...).
-_TYPE_HINTS = {
-    "int_type": "write a whole number without quotes, e.g. 10",
-    "float_type": "write a number without quotes, e.g. 0.5",
-    "bool_type": "write true or false without quotes",
-    "string_type": "write text, quoted if YAML would read it as something else",
-    "finite_number": ".inf and .nan are not settings; write a finite number",
-}
-
-
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{key}' (check the spelling; see the config reference in README.md)")
-        elif e["type"] == "missing":
-            lines.append(f"{source}: missing required key '{key}'")
-        elif e["type"] in _TYPE_HINTS:
-            given = repr(e["input"])[:60]
-            lines.append(f"{source}: bad value for '{key}': {e['msg']}, got {given}; {_TYPE_HINTS[e['type']]}")
-        else:
-            lines.append(f"{source}: bad value for '{key}': {e['msg']}")
-    return "\n".join(lines)
-
-
 def parse_config(raw: Any, source: str = "hub.yaml", base: Path | None = None) -> HubConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections (run, server, data, ...), got {type(raw).__name__}")

@@ -21,17 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from security import validation
+from security.audit import AuditLog
+from security.terms import FIRST_RELEASE, PROTOCOL_VERSION, protocol_needed
+from silo.v1 import silo_pb2
 from silo_core.algorithms.base import HubAlgorithm, HubState
 from silo_core.rounds import RoundRecord
 from silo_server.intake import TaskIntake, TaskView
 from silo_server.privacy import HubPrivacy, RoundFailed
-from silo_server.registry import CERT_WARN_DAYS, ChangeCondition, Refusal, SiloRecord, SiloRegistry
+from silo_server.registry import CERT_WARN_DAYS, ChangeCondition, Departure, Refusal, SiloRecord, SiloRegistry
 from silo_server.robust import AggregationSection
 from silo_server.round_loop import PHASES, ActiveTask, RoundLoop, RssMeter
 from silo_server.scoring import RunRecords
 from silo_server.settings import HALF_MIN_ELEMENTS, RoundSettings, WireLimits, wire_specs
 
-__all__ = ["CERT_WARN_DAYS", "HALF_MIN_ELEMENTS", "PHASES", "ActiveTask", "ChangeCondition", "Hub", "Refusal",
+__all__ = ["CERT_WARN_DAYS", "HALF_MIN_ELEMENTS", "PHASES", "ActiveTask", "ChangeCondition", "Departure", "Hub",
+           "Refusal",
            "RoundFailed", "RssMeter", "SiloRecord", "TaskView", "wire_specs"]
 
 
@@ -68,6 +72,7 @@ class Hub:
         privacy: HubPrivacy | None = None,
         round_hyperparameters: dict[str, Any] | None = None,
         aggregation: AggregationSection | None = None,
+        audit: AuditLog | None = None,
     ):
         # hub.yaml's keywords, grouped by the part that uses them.
         settings = RoundSettings(total_rounds, silos_per_round, silos_per_round_count, min_silos, quorum,
@@ -77,15 +82,20 @@ class Hub:
         self.privacy = privacy if privacy is not None and privacy.enabled else None
         self.cond = ChangeCondition()
         self.stop_event = threading.Event()
-        self.registry = SiloRegistry(self.cond, liveness_s)
-        self.records = RunRecords(state_dir, evaluate=evaluate, validate=validate, privacy=self.privacy)
+        self.audit = audit
+        self.registry = SiloRegistry(self.cond, liveness_s, audit=audit)
+        self.records = RunRecords(state_dir, evaluate=evaluate, validate=validate, privacy=self.privacy, audit=audit)
         self.run_id = self.records.run_id
-        self.run_description = {**run_description, "run_id": self.run_id, "total_rounds": total_rounds}
+        self.run_description = {**run_description, "run_id": self.run_id, "total_rounds": total_rounds,
+                                "protocol_version": PROTOCOL_VERSION}
+        # The run's privacy terms, pinned for the run (security/terms.py): stated in the run description, and every
+        # task's privacy agrees with them.
+        self.terms: silo_pb2.PrivacyTerms = run_description.get("terms") or silo_pb2.PrivacyTerms()
         self.rounds = RoundLoop(algorithm, settings, self.registry, self.records, stop_event=self.stop_event,
                                 privacy=self.privacy, half_precision=half_precision, max_update_norm=max_update_norm,
                                 round_hyperparameters=round_hyperparameters, on_round=on_round,
                                 aggregation=aggregation)
-        self.intake = TaskIntake(self.registry, self.rounds, self.run_id, wire)
+        self.intake = TaskIntake(self.registry, self.rounds, self.run_id, wire, self.terms)
 
     # What the app, the metrics and the tests read (and some set) on the hub, kept by the part that owns it.
     silos = _part("registry", "silos")
@@ -128,10 +138,39 @@ class Hub:
         self.registry.check_session(silo_id, serial)
 
     def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0,
-             preparing: bool = False, serial: int | None = None) -> dict[str, Any]:
-        """Register a silo (SiloRegistry.join) and return the run description."""
-        self.registry.join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing, serial)
+             preparing: bool = False, serial: int | None = None, protocol_version: int = 0,
+             features: Iterable[str] = (), connection: str = "") -> dict[str, Any]:
+        """Register a silo (SiloRegistry.join) and return the run description. A silo whose protocol cannot follow
+        the run's privacy terms is refused here, with the version to install: a protocol-1 silo would read no
+        privacy instructions at all (they were a JSON string) and send its result in the clear."""
+        needed, wanted = protocol_needed(self.terms)
+        missing = sorted(set(wanted) - set(features))
+        speaks = protocol_version or 1  # a silo older than protocol 2 sends no version
+        if speaks < needed or missing:
+            speaks = (f"protocol {speaks}" + (f" without {', '.join(missing)}" if missing else "")
+                      if protocol_version else f"protocol 1 (silokit before {FIRST_RELEASE[PROTOCOL_VERSION]})")
+            raise self.refuse(silo_id, "PERMISSION_DENIED", "old_protocol",
+                              f"this run's privacy terms need silokit wire protocol {needed} "
+                              f"({', '.join(wanted)}); silo {silo_id} speaks {speaks}: install silokit "
+                              f"{FIRST_RELEASE[needed]} or newer at the branch")
+        self.registry.join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing, serial,
+                           protocol_version, connection)
         return self.run_description
+
+    def leave(self, silo_id: str, run_id: str, departure: Departure) -> None:
+        """A silo leaves the run (its policy refused the terms, a task breached them, its budget is spent): it is
+        counted out of the current round at once and never sampled again in this run unless it joins again."""
+        self.validate(silo_id, lambda: validation.check_id("run_id", run_id))
+        with self.cond:
+            self.intake.check_run(silo_id, run_id)
+            first = self.registry.leave(silo_id, departure)
+            if first:
+                self.rounds.leave_round(silo_id)
+            self.cond.notify_all()
+        if first and self.audit is not None:
+            d = departure
+            self.audit.append("silo_departed", run=self.run_id, silo=silo_id, departure=d.kind, clause=d.clause,
+                              required=d.required, offered=d.offered, message=d.message, round=d.round)
 
     def evict(self, silo_id: str) -> None:
         self.rounds.evict(silo_id)

@@ -15,6 +15,7 @@ import torch
 from security import validation
 from security.secagg import ProtocolError
 from security.secagg.messages import DuplicateMessage
+from silo.v1 import silo_pb2
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge
 from silo_server.aggregate import UploadBudget
 from silo_server.privacy import STAGE_UPLOADS, HubPrivacy
@@ -39,14 +40,16 @@ class TaskView:
     expected: dict[str, TensorSpec] = field(default_factory=dict)
     retry_after_s: float = 1.0
     message: str = ""
-    privacy_json: str = ""  # TRAIN: DP instructions and the secure-aggregation session, as JSON
-    secagg_stage: str = ""  # SECAGG: the stage to run (share_keys, masked_input, unmask) and its input
+    privacy: silo_pb2.TaskPrivacy | None = None  # TRAIN: the round's privacy, typed (None: the run has none)
+    secagg_stage: str = ""  # SECAGG: the stage to run (share_keys, masked_input, consistency, unmask), its input
     secagg_payload: bytes = b""
 
 
 class TaskIntake:
-    def __init__(self, registry: SiloRegistry, rounds: RoundLoop, run_id: str, wire: WireLimits):
+    def __init__(self, registry: SiloRegistry, rounds: RoundLoop, run_id: str, wire: WireLimits,
+                 terms: silo_pb2.PrivacyTerms | None = None):
         self.registry = registry
+        self.terms = terms or silo_pb2.PrivacyTerms()  # pinned for the run: every task's privacy agrees with them
         self.rounds = rounds  # its current task, phase and round; silos leaving a round
         self.cond = registry.cond
         self.run_id = run_id
@@ -70,7 +73,7 @@ class TaskIntake:
             return TaskView(
                 "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
-                expected=t.expected, privacy_json=t.privacy.privacy_json(t.task_id) if t.privacy else "",
+                expected=t.expected, privacy=self._task_privacy(t),
             )
         if t and t.open and self._may_receive(silo_id, t):
             # The round's model without a part in it: the same bundle and plan as TRAIN, nothing to upload. An old
@@ -86,6 +89,12 @@ class TaskIntake:
                 return TaskView("SECAGG", round=t.round, task_id=t.task_id, secagg_stage=stage[0],
                                 secagg_payload=stage[1])
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {rounds.phase}, round {rounds.round}")
+
+    def _task_privacy(self, t: ActiveTask) -> silo_pb2.TaskPrivacy | None:
+        sample_dp = self.terms.sample_dp if self.terms.sample_dp.enabled else None
+        if t.privacy is not None:
+            return t.privacy.task_privacy(t.task_id, sample_dp)
+        return silo_pb2.TaskPrivacy(sample_dp=sample_dp) if sample_dp is not None else None
 
     def _may_receive(self, silo_id: str, t: ActiveTask) -> bool:
         """A silo outside the round's sample gets the round's model when the algorithm broadcasts it: once a round,

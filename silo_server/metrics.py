@@ -27,6 +27,7 @@ in use, or at the algorithm's static value):
     evaluation_seconds                       silokit_hub_evaluation_duration_seconds
     checkpoint_seconds                       silokit_hub_checkpoint_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
+    (Leave) silos' typed refusals          silokit_hub_silo_departures_total{kind, clause}
     aggregation.excluded, .down_weighted     silokit_hub_round_aggregation_silos{decision="excluded"|"down_weighted"}
                                              (the last round's; 0 under the mean), silokit_hub_aggregation_silos_total
 
@@ -47,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from security.pki import cert_days_left
+from security.terms import CLAUSES
 from silo_core.metrics_http import MetricsServer, serve_metrics
 from silo_core.rounds import RoundRecord, nan_if_none
 from silo_core.selection import BestRound
@@ -63,10 +65,13 @@ REFUSAL_REASONS = (
     "bad_metrics", "bad_payload", "no_header",
     # security/gate.py and security/validation.py
     "not_allowed", "not_silo_certificate", "revoked", "expired", "bad_request", "bad_header", "bad_stream",
-    "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized",
+    "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized", "old_protocol",
 )
+# A silo's typed refusals (Leave), by kind and the clause it names (security.terms.CLAUSES, or "other"): a bounded
+# set, exported at zero from the start.
+DEPARTURE_LABELS = tuple((kind, clause) for kind in ("refused", "breach", "budget") for clause in (*CLAUSES, "other"))
 # Secure aggregation's stages (Bonawitz et al. 2017, one per protocol round). Exported at zero until used.
-SECAGG_STAGES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
+SECAGG_STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency", "unmasking")
 ROUND_SILO_STATES = ("sampled", "reported", "skipped", "dropped")
 
 
@@ -74,7 +79,7 @@ class HubMetrics:
     """Prometheus metrics for one hub. Wraps `hub.on_round` (keeping any callback already there)."""
 
     def __init__(self, hub: Hub, *, certs: Path | None = None, registry: CollectorRegistry | None = None,
-                 version: str = "0.1.0"):
+                 version: str = "0.2.0"):
         self.hub = hub
         self.certs = Path(certs) if certs else None
         self.version = version
@@ -252,6 +257,14 @@ class _HubStateCollector(Collector):
         for reason in sorted({*REFUSAL_REASONS, *refusals}):
             refused.add_metric([reason], refusals.get(reason, 0))
         yield refused
+        departed = CounterMetricFamily(
+            "silokit_hub_silo_departures", "Silos that refused the run's privacy terms or left the run (Leave), by "
+            "kind (refused at join, breach of the pinned terms, budget spent) and the policy clause they named.",
+            labels=["kind", "clause"])
+        departures = dict(hub.registry.departures)
+        for key in sorted({*DEPARTURE_LABELS, *departures}):  # at zero from the start, as the refusals
+            departed.add_metric(list(key), departures.get(key, 0))
+        yield departed
         yield CounterMetricFamily("silokit_hub_received_bytes", "Bytes of results received from silos.",
                                   value=counters.get("received_bytes", 0))
         yield CounterMetricFamily("silokit_hub_sent_bytes", "Bytes of round bundles sent to silos.",

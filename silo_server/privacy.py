@@ -18,7 +18,6 @@ through NextTask (kind SECAGG) and that come back through Upload (UploadHeader.s
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -41,9 +40,11 @@ from security.dp import (
 )
 from security.secagg import HubSession, ProtocolError, RoundAbandoned, SecAggParams
 from security.secagg import messages as msg
+from security.secagg.identity import PeerVerifier
 from security.secagg.params import QuantizationRule
 from security.secagg.quantize import rule_for
 from security.validation import printable
+from silo.v1 import silo_pb2
 from silo_core.config_base import StrictConfig
 from silo_core.dp_sgd import SampleDPConfig
 from silo_core.rounds import DPRound, SecAggRound
@@ -59,7 +60,7 @@ class RoundFailed(Exception):
     """A round attempt that cannot be applied (below quorum, secure aggregation abandoned, an aggregate that breaks
     the bounds): the hub logs the message as the cause and retries the round."""
 
-STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "unmask", "abort")
+STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "consistency", "unmask", "abort")
 
 
 class PrivacySection(StrictConfig):
@@ -68,6 +69,9 @@ class PrivacySection(StrictConfig):
     secure_aggregation: SecAggParams = Field(default_factory=SecAggParams)
     dp: DPConfig = Field(default_factory=DPConfig)
     sample_dp: SampleDPConfig = Field(default_factory=SampleDPConfig)
+    clear_metrics: bool = Field(
+        True, description="ask silos for their clear per-silo metrics (pseudo-label counts, losses, training time) "
+        "in rounds without secure aggregation or DP; stated in the run's terms, and a branch policy may refuse them")
 
     @property
     def enabled(self) -> bool:
@@ -84,17 +88,27 @@ class RoundPrivacy:
     accepted: dict[str, TensorSpec]  # what silos send: the plan's tensors plus the DP indicator
     expected_silos: int
     enrolled: int
+    # The fewest silos whose inputs the round's sum may hold: its quorum, and never below the run's pinned
+    # secure_aggregation.min_cohort; distributed noise is split over this many, and the task states it.
+    min_contributors: int = 1
     outbox: dict[str, bytes] = field(default_factory=dict)  # the current stage's message per silo
     outbox_stage: str = ""
     answered: set[str] = field(default_factory=set)  # silos that answered the current stage
 
-    def privacy_json(self, task_id: str) -> str:
-        body: dict[str, Any] = {}
-        if self.instructions is not None:
-            body["dp"] = self.instructions.to_json()
+    def task_privacy(self, task_id: str, sample_dp: silo_pb2.SampleDPTerms | None = None) -> silo_pb2.TaskPrivacy:
+        """What a TRAIN task tells the silo about this round's privacy, typed (checked there against the pinned
+        terms: security/terms.py task_breaches)."""
+        out = silo_pb2.TaskPrivacy(min_contributors=self.min_contributors if self.session is not None else 0)
         if self.session is not None:
-            body["secagg"] = {"session": task_id}
-        return json.dumps(body) if body else ""
+            out.secagg_session = task_id
+        if self.instructions is not None:
+            i = self.instructions
+            out.client_dp.CopyFrom(silo_pb2.TaskClientDP(
+                enabled=True, clip_norm=i.clip_norm, noise_std=i.noise_std, indicator_noise_std=i.indicator_noise_std,
+                adaptive=i.adaptive, clip_tensors=list(i.clip_tensors)))
+        if sample_dp is not None and sample_dp.enabled:
+            out.sample_dp.CopyFrom(sample_dp)
+        return out
 
 
 @dataclass
@@ -118,10 +132,19 @@ class RoundHooks:
 
 
 class HubPrivacy:
-    def __init__(self, section: PrivacySection, seed: int | None = None):
+    def __init__(self, section: PrivacySection, seed: int | None = None, verifier: PeerVerifier | None = None,
+                 run_id: str = ""):
         self.section = section
         self.secagg = section.secure_aggregation if section.secure_aggregation.enabled else None
         self.dp = DPController(section.dp, self.secagg is not None, seed=seed) if section.dp.enabled else None
+        # Secure aggregation checks each silo's signed keys against the federation CA and CRL (None: unsigned, as
+        # with --insecure-dev-only, where silos have no certificates).
+        self.verifier = verifier
+        self.run_id = run_id
+
+    @property
+    def min_cohort(self) -> int:
+        return self.secagg.min_cohort if self.secagg is not None else 1
 
     @property
     def enabled(self) -> bool:
@@ -133,6 +156,8 @@ class HubPrivacy:
         """DP instructions after the budget check (raises BudgetExhausted), and the round's SecAgg+ session."""
         instructions = None
         accepted = dict(expected)
+        if self.secagg is not None:
+            need = max(need, self.min_cohort)  # the cohort the run's terms promise
         if self.dp is not None:
             instructions = self.dp.plan_round(len(sampled), enrolled, need)
             if instructions.adaptive:
@@ -142,12 +167,13 @@ class HubPrivacy:
             params = self._round_params(instructions, accepted)
             shapes = {n: tuple(s.shape) for n, s in accepted.items()}
             try:
-                session = HubSession(task_id, sorted(sampled), params, shapes, min_survivors=need)
+                session = HubSession(task_id, sorted(sampled), params, shapes, min_survivors=need,
+                                     verifier=self.verifier, run_id=self.run_id, signed=self.verifier is not None)
             except ValueError as err:
                 raise RuntimeError(f"secure aggregation cannot run with {len(sampled)} silos in a round: {err}; "
                                    "raise rounds.silos_per_round (or rounds.silos_per_round_count) / rounds.min_silos "
                                    "or the bits budget") from None
-        return RoundPrivacy(instructions, session, accepted, len(sampled), enrolled)
+        return RoundPrivacy(instructions, session, accepted, len(sampled), enrolled, min_contributors=need)
 
     def _round_params(self, instructions: SiloInstructions | None, accepted: dict[str, TensorSpec]) -> SecAggParams:
         """With distributed DP the fixed-point range follows the round's clip norm and noise: every clipped value
@@ -181,8 +207,9 @@ class HubPrivacy:
 
     # ------------------------------------------------------------------ during the round
     def fewest_sampled(self) -> int:
-        """Secure aggregation: the fewest silos a round may sample and still survive `dropouts` (1 without it)."""
-        return self.secagg.fewest_silos() if self.secagg is not None else 1
+        """Secure aggregation: the fewest silos a round may sample and still survive `dropouts` and hold the pinned
+        cohort (1 without it)."""
+        return max(self.secagg.fewest_silos(), self.secagg.min_cohort) if self.secagg is not None else 1
 
     @staticmethod
     def drop(rp: RoundPrivacy, silo_id: str) -> None:
@@ -242,6 +269,8 @@ class HubPrivacy:
             s.receive_shares(silo_id, payload)
         elif stage == "masked_input":
             s.receive_masked_input(silo_id, payload)
+        elif stage == "consistency":
+            s.receive_consistency(silo_id, payload)
         elif stage == "unmask":
             s.receive_unmask(silo_id, payload)
         else:
@@ -255,6 +284,7 @@ class HubPrivacy:
         must be retried."""
         rp: RoundPrivacy = task.privacy
         secagg = dp = None
+        need = max(need, rp.min_contributors)
         if rp.session is not None:
             if len(task.reported) < need:
                 raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos finished training, "
@@ -312,14 +342,14 @@ class HubPrivacy:
             raise RoundFailed(f"the securely aggregated sum was refused: {err.message}") from None
 
     def _drive(self, task: Any, hooks: RoundHooks) -> tuple[Any, dict[str, float]]:
-        """Close advertise_keys, then run share_keys, masked_input and unmask, each until every silo answered or
-        the stage deadline; finally unmask the sum. Returns the session's result and each stage's duration
+        """Close advertise_keys, then run share_keys, masked_input, consistency and unmask, each until every silo
+        answered or the stage deadline; finally unmask the sum. Returns the session's result and each stage's duration
         (advertise_keys: from hand-out, so training included); RoundAbandoned when the threshold cannot be met."""
         rp: RoundPrivacy = task.privacy
         s = rp.session
         deadline_s = self.secagg.stage_deadline_s
         stages = (("share_keys", s.close_advertise), ("masked_input", s.close_share_keys),
-                  ("unmask", s.close_masked_input))
+                  ("consistency", s.close_masked_input), ("unmask", s.close_consistency))
         seconds = {"advertise_keys": time.time() - task.started}
         with hooks.cond:
             for next_stage, close in stages:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from security import validation
+from security.audit import AuditLog
 
 log = logging.getLogger("silo_server")
 
@@ -67,14 +69,37 @@ class SiloRecord:
     # Left a round without reporting (dropped out, aborted, was refused): not sampled again until it polls again.
     dropped: bool = False
     told_done: bool = False  # has heard that the run is over
+    # Left the run for a reason of its own (Leave: its policy refused the run, a task breached the pinned terms, its
+    # privacy budget is spent): never sampled again in this run unless it joins again.
+    left: Departure | None = None
+    protocol_version: int = 0  # the wire protocol it joined with (0: older than protocol 2)
+    connection: str = ""  # the gRPC peer address of its last Join: another one is a new process, news worth a line
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Why a silo left the run, as it said in its typed refusal (silo.v1.PolicyRefusal): checked and bounded text,
+    and a clause from security.terms.CLAUSES (anything else is "other"), so the metrics' labels stay few."""
+
+    kind: str  # "refused", "breach" or "budget"
+    clause: str
+    required: str
+    offered: str
+    message: str
+    round: int
+    at: float = field(default_factory=time.time)
 
 
 class SiloRegistry:
-    def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0):
+    def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0, audit: AuditLog | None = None):
         self.cond = cond
         self.liveness_s = liveness_s
+        self.audit = audit  # the hub's hash-chained record of joins, departures and refusals (None: not kept)
         self.silos: dict[str, SiloRecord] = {}
         self.refusals: dict[str, int] = {}
+        # Silos' own refusals of the run, by (kind, clause): silokit_hub_silo_departures_total in /metrics.
+        self.departures: dict[tuple[str, str], int] = {}
+        self._audited_refusals: dict[tuple[str, str], tuple[float, int]] = {}
         # Monotonic event counts since this process started, read by silo_server/metrics.py at scrape time.
         self.counters: dict[str, int] = {}
         # Expiry of the hub's own certificate ("hub") and of each silo's (by silo id), as seen on the wire.
@@ -90,8 +115,24 @@ class SiloRegistry:
         message = validation.printable(message, 300)
         self.count_refusal(reason)
         log.warning("refused %s from %s: %s", reason, validation.printable(silo_id or "?", 140), message)
+        self.audit_refusal(silo_id, reason, message)
         return Refusal(code, reason, message)
 
+    def audit_refusal(self, silo_id: str | None, reason: str, message: str, every_s: float = 60.0) -> None:
+        """Into the hub's audit, once per silo and reason a minute with the count since the last record: a silo
+        that repeats a refused call cannot fill the hub's disk through its audit."""
+        if self.audit is None:
+            return
+        key, now = (silo_id or "?", reason), time.monotonic()
+        with self.cond:
+            last, count = self._audited_refusals.get(key, (-math.inf, 0))
+            count += 1
+            if now - last < every_s:
+                self._audited_refusals[key] = (last, count)
+                return
+            self._audited_refusals[key] = (now, 0)
+        self.audit.append("refusal", silo=validation.printable(silo_id or "?", 140), reason=reason, count=count,
+                          message=message)
     def count_refusal(self, reason: str) -> None:
         """Count a refusal whose logging the caller does itself (e.g. once per burst, not once per call)."""
         with self.cond:
@@ -133,16 +174,22 @@ class SiloRegistry:
                           f"one session per silo")
 
     def join(self, silo_id: str, num_unlabeled: int, num_labeled: int, device: str, skipped_images: int = 0,
-             preparing: bool = False, serial: int | None = None) -> None:
+             preparing: bool = False, serial: int | None = None, protocol_version: int = 0,
+             connection: str = "") -> None:
         """Register a silo. A silo that is still `preparing` (loading its images, which needs the run's image size)
         is known but not sampled until it joins again ready.
 
         The images a silo declares the first time it joins ready are fixed for the run: they bound its weight, and a
         re-join can lower them but never raise them. A second certificate for the same name (`serial`) is refused
-        while the first one's session is live, so it cannot take that silo's place or records."""
+        while the first one's session is live, so it cannot take that silo's place or records. A Join that changes
+        nothing the hub knows of the silo (same counts, state and certificate, on the same connection) is neither
+        logged nor audited: a silo repeating Join cannot fill the hub's log, while a restarted one is still seen."""
         self.validate(silo_id, lambda: validation.check_join(num_unlabeled, num_labeled, device, skipped_images))
         with self.cond:
-            record = self.silos.get(silo_id) or SiloRecord(silo_id)
+            known = self.silos.get(silo_id)
+            record = known or SiloRecord(silo_id)
+            before = (record.num_unlabeled, record.num_labeled, record.device, record.skipped_images, record.serial,
+                      record.ready, record.left, record.protocol_version, record.connection, self.is_live(record))
             if serial is not None and record.serial is not None and record.serial != serial:
                 if self.is_live(record):
                     log.warning("a second certificate for silo %s (serial %x) tried to join while the session of "
@@ -153,6 +200,9 @@ class SiloRegistry:
                                       f"silo {silo_id} already has a live session under another certificate; "
                                       "one session per silo")
                 log.info("silo %s now joins with certificate serial %x (was %x)", silo_id, serial, record.serial)
+            if record.left is not None:
+                log.info("silo %s joins again after leaving the run (%s: %s)", silo_id, record.left.kind,
+                         record.left.clause)
             declared = num_unlabeled + num_labeled
             if record.declared_images is None and silo_id in self.declared_before:
                 record.declared_images = self.declared_before[silo_id]  # declared before the hub restarted
@@ -167,8 +217,19 @@ class SiloRegistry:
             record.serial = serial if serial is not None else record.serial
             record.last_seen = time.time()
             record.ready = not preparing
+            record.left = None
+            record.protocol_version, record.connection = protocol_version, connection
             self.silos[silo_id] = record
+            changed = known is None or before != (
+                record.num_unlabeled, record.num_labeled, record.device, record.skipped_images, record.serial,
+                record.ready, record.left, record.protocol_version, record.connection, True)
             self.cond.notify_all(wake_polls=False)  # the round loop may be waiting for silos; no poll's answer changes
+        if not changed:
+            return
+        if self.audit is not None:
+            self.audit.append("join", silo=silo_id, serial=f"{serial:x}" if serial is not None else None,
+                              preparing=preparing, num_unlabeled=num_unlabeled, num_labeled=num_labeled,
+                              protocol_version=protocol_version)
         if preparing:
             log.info("silo %s connected and is loading its images (%d unlabeled, %d labeled files); it is sampled "
                      "once it reports ready", silo_id, num_unlabeled, num_labeled)
@@ -179,6 +240,30 @@ class SiloRegistry:
         if days is not None and days < CERT_WARN_DAYS:
             log.warning("the certificate of silo %s expires in %.1f days: renew it (`silo-certs renew %s`)",
                         silo_id, days, silo_id)
+
+    def leave(self, silo_id: str, departure: Departure) -> bool:
+        """A silo leaves the run for a reason of its own: not sampled again in this run (unless it joins again),
+        logged once, counted by kind and clause. False when it had already left for the same reason (a
+        repeated Leave is neither logged nor counted again)."""
+        with self.cond:
+            record = self.touch(silo_id)
+            same = record.left is not None and (record.left.kind, record.left.clause) == (departure.kind,
+                                                                                          departure.clause)
+            record.left = departure
+            if same:
+                return False
+            key = (departure.kind, departure.clause)
+            self.departures[key] = self.departures.get(key, 0) + 1
+            self.cond.notify_all(wake_polls=False)
+        words = {"refused": "refuses the run's terms", "breach": "left the run after a task breached the pinned terms",
+                 "budget": "left the run: its privacy budget is spent"}.get(departure.kind, "left the run")
+        log.warning("silo %s %s (%s): %s", silo_id, words, departure.clause, departure.message)
+        return True
+
+    def departed(self) -> dict[str, Departure]:
+        """The silos that left the run and why (for --check, the model card and the metrics)."""
+        with self.cond:
+            return {s: r.left for s, r in self.silos.items() if r.left is not None}
 
     def revoke(self, silo_id: str, in_round: bool) -> None:
         """A silo whose certificate was revoked is never live again (its record stays for the model card). Call
@@ -234,7 +319,8 @@ class SiloRegistry:
         return sum(1 for r in self.silos.values() if r.dropped and self.is_live(r))
 
     def _heard_from(self, ready: bool) -> list[str]:
-        return sorted(s for s, r in self.silos.items() if r.ready == ready and not r.dropped and self.is_live(r))
+        return sorted(s for s, r in self.silos.items()
+                      if r.ready == ready and not r.dropped and r.left is None and self.is_live(r))
 
     def is_live(self, record: SiloRecord) -> bool:
         """Waiting in a long-poll right now, or heard from within liveness_s (a revoked silo never is)."""
@@ -245,7 +331,8 @@ class SiloRegistry:
     def silos_not_told_done(self) -> list[str]:
         """Silos still live that have not heard the run is over (the app waits for them, up to server.linger_s)."""
         with self.cond:
-            return sorted(s for s, r in self.silos.items() if not r.told_done and self.is_live(r))
+            return sorted(s for s, r in self.silos.items()
+                          if not r.told_done and r.left is None and self.is_live(r))
 
     # ------------------------------------------------------------------ what rounds record
     def declared_images(self) -> dict[str, int]:

@@ -50,7 +50,7 @@ class ActiveTask:
     plan: RoundPlan
     bundle: bytes
     bundle_sha256: str
-    hyperparameters_json: str
+    hyperparameters_json: str  # the algorithm's plan hyperparameters, as the wire carries them
     sampled: set[str]
     deadline: float
     expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
@@ -72,6 +72,10 @@ class ActiveTask:
     # (which then holds only the silos' metrics).
     updates: UpdateStore | None = None
     broadcast: Broadcast | None = None  # set when the algorithm hands the round's model to every live silo
+    # Hyperparameters the hub adds to every plan (privacy.sample_dp). On the wire they travel as the task's typed
+    # privacy (silo.v1.TaskPrivacy.sample_dp), which a silo checks against the run's terms; the in-process transport
+    # adds them to the plan as they are.
+    round_hyperparameters: dict[str, Any] = field(default_factory=dict)
 
 
 class RssMeter:
@@ -335,7 +339,8 @@ class RoundLoop:
                 round=r, attempt=attempt,
                 task_id=f"{self.records.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
                 plan=plan, bundle=bundle, bundle_sha256=sha256_hex(bundle),
-                hyperparameters_json=json.dumps({**plan.hyperparameters, **self.round_hyperparameters}),
+                hyperparameters_json=json.dumps(plan.hyperparameters),
+                round_hyperparameters=self.round_hyperparameters,
                 sampled=sampled, deadline=time.time() + self.settings.deadline_s,
                 expected=wire_specs(plan.expected, self.half_precision), broadcast=broadcast,
             )

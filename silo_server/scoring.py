@@ -12,10 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from security.audit import AuditLog
 from silo_core.algorithms.base import HubState
 from silo_core.files import write_json_atomic
 from silo_core.rounds import RoundRecord, Scores, records_from_json
-from silo_server.checkpoint import load_latest, save_checkpoint
+from silo_server.checkpoint import MANIFEST, load_latest, save_checkpoint
 
 log = logging.getLogger("silo_server")
 
@@ -24,8 +25,9 @@ Scorer = Callable[[HubState], dict[str, float]]
 
 class RunRecords:
     def __init__(self, state_dir: Path, *, evaluate: Scorer | None = None, validate: Scorer | None = None,
-                 privacy: Any = None):
+                 privacy: Any = None, audit: AuditLog | None = None):
         self.state_dir = Path(state_dir)
+        self.audit = audit  # the hub's audit: every checkpoint written goes in it with its files' sha256
         self.evaluate = evaluate  # the test set, where the hub has one
         self.validate_model = validate  # the hub's validation split: validation_* per round, model selection
         self.privacy = privacy  # HubPrivacy or None: its accountant is checkpointed with the rounds
@@ -100,8 +102,12 @@ class RunRecords:
                                 "declared_images": declared_images}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
-        save_checkpoint(self.state_dir, state, info)
+        folder = save_checkpoint(self.state_dir, state, info)
         self.write_history()
+        if self.audit is not None:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            self.audit.append("model_written", run=self.run_id, round=state.round,
+                              file=str(folder.relative_to(self.state_dir)), sha256=manifest["sha256"])
 
     def write_history(self) -> None:
         """history.json: what silo-sim, the benchmarks and an operator read while the run goes on."""

@@ -27,10 +27,11 @@ from grpc_health.v1._async import HealthServicer
 
 from security import validation
 from security.gate import AccessDenied, Peer, PeerGate
+from security.terms import CLAUSES
 from security.tls import peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
-from silo_server.hub import Hub, Refusal
+from silo_server.hub import Departure, Hub, Refusal
 
 log = logging.getLogger("silo_server")
 
@@ -38,7 +39,7 @@ _KINDS = {"WAIT": silo_pb2.Task.WAIT, "TRAIN": silo_pb2.Task.TRAIN, "DONE": silo
           "SECAGG": silo_pb2.Task.SECAGG, "RECEIVE": silo_pb2.Task.RECEIVE}
 
 # Calls one silo may have in flight at once, by method. A silo's own client never needs more than one at a time.
-CALLS_PER_SILO = {"Join": 1, "NextTask": 1, "Download": 1, "Upload": 1, "Health": 1}
+CALLS_PER_SILO = {"Join": 1, "NextTask": 1, "Download": 1, "Upload": 1, "Leave": 1, "Health": 1}
 MAX_CALLS_PER_SILO = 3  # of all kinds together
 HEADER_TIMEOUT_S = 10.0  # an upload must send its header this soon after it opens
 STREAM_IDLE_S = 60.0  # and never go longer than this between two chunks
@@ -62,7 +63,22 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
         model_factory=desc.get("model_factory", ""),
         architecture=[silo_pb2.TensorSpec(name=t.name, shape=list(t.shape), dtype=t.dtype)
                       for t in desc.get("architecture", [])],
+        protocol_version=desc.get("protocol_version", 0),
+        terms=desc.get("terms"),
     )
+
+
+_DEPARTURE_KINDS = {silo_pb2.PolicyRefusal.REFUSED: "refused", silo_pb2.PolicyRefusal.BREACH: "breach",
+                    silo_pb2.PolicyRefusal.BUDGET: "budget"}
+
+
+def departure_of(refusal: silo_pb2.PolicyRefusal) -> Departure:
+    """A silo's typed refusal as the hub keeps it: its words escaped and cut, its clause one of the known ones."""
+    clause = refusal.clause if refusal.clause in CLAUSES else "other"
+    return Departure(kind=_DEPARTURE_KINDS.get(refusal.kind, "other"), clause=clause,
+                     required=validation.printable(refusal.required, 200),
+                     offered=validation.printable(refusal.offered, 200),
+                     message=validation.printable(refusal.message, 400), round=max(0, int(refusal.round)))
 
 
 class BurstLog:
@@ -216,11 +232,13 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             silo_id = peer.silo_id
             try:
                 # The fields the hub core does not see are checked here; the rest in Hub.join.
-                self.hub.validate(silo_id, lambda: validation.check_client_info(request.client_version,
-                                                                                request.capabilities))
+                self.hub.validate(silo_id, lambda: validation.check_client_info(
+                    request.client_version, [*request.capabilities, *request.features]))
                 desc = await self._run(lambda: self.hub.join(
                     silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
-                    int(request.skipped_images), preparing=bool(request.preparing), serial=peer.serial))
+                    int(request.skipped_images), preparing=bool(request.preparing), serial=peer.serial,
+                    protocol_version=int(request.protocol_version), features=list(request.features),
+                    connection=context.peer()))
             except Refusal as r:
                 await self._abort(context, r)
             if self.on_join is not None:
@@ -268,7 +286,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                           for n, s in view.expected.items()],
                 retry_after_s=view.retry_after_s,
                 message=view.message,
-                privacy_json=view.privacy_json,
+                privacy=view.privacy,
                 secagg_stage=view.secagg_stage,
                 secagg_payload=view.secagg_payload,
             )
@@ -339,6 +357,15 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             except Refusal as r:
                 await self._abort(context, r)
             return silo_pb2.UploadReply(accepted=True, message="accepted")
+
+
+    async def Leave(self, request, context):
+        async with _Slot(self, context, "Leave") as peer:
+            try:
+                await self._run(self.hub.leave, peer.silo_id, request.run_id, departure_of(request.refusal))
+            except Refusal as r:
+                await self._abort(context, r)
+            return silo_pb2.LeaveReply(accepted=True)
 
 
 class GatedHealth(HealthServicer):

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attack", default="sign_flip", metavar="KIND",
                    help="with --attackers: sign_flip sends -10 x the honest model change, noise a Gaussian model "
                         "change of deviation 1 per weight (silo_sim/attacks.py; default sign_flip)")
+    p.add_argument("--silo-policy", action="append", default=[], metavar="[N=]FILE",
+                   help="a branch privacy policy (branch-policy.yaml, as silo-client --policy) for every silo, or "
+                        "with N= for silo N only (1-based; repeatable, the specific one wins): the silo refuses a run "
+                        "whose terms fall short of it before reading any image")
     p.add_argument("--validation-per-class", type=int, default=None, metavar="N",
                    help="held-out labeled validation images per class at the hub: the hub scores every round on "
                         "them and keeps the best round's model (best_model.safetensors); staged with 20 per class "
@@ -165,6 +169,28 @@ def option_overrides(algorithm: str, given: dict[str, Any]) -> list[str]:
     demo = DEMO_OPTIONS.get(algorithm, {})
     return [f"--option {key}={json.dumps(value)} overrides the demo's {key}={json.dumps(demo[key])} for {algorithm}"
             for key, value in given.items() if key in demo and demo[key] != value]
+
+
+def silo_policies(values: list[str], silos: int) -> dict[str, str]:
+    """--silo-policy [N=]FILE values as silo name -> policy file; each file is loaded once here, so a bad one fails
+    before anything starts, naming the file and the key."""
+    from silo_client.policy import load_policy
+    from silo_sim.stage import silo_name
+
+    every, one = None, {}
+    for value in values:
+        index, sep, path = value.partition("=")
+        if not sep:
+            index, path = "", value
+        elif not index.isdigit() or not 1 <= int(index) <= silos:
+            raise ValueError(f"--silo-policy {value!r}: N must be a silo number from 1 to --silos ({silos})")
+        load_policy(Path(path))
+        if index:
+            one[silo_name(int(index))] = str(Path(path).resolve())
+        else:
+            every = str(Path(path).resolve())
+    return {silo_name(i): one.get(silo_name(i), every) for i in range(1, silos + 1)
+            if one.get(silo_name(i), every) is not None}
 
 
 def rounds_sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,6 +343,7 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None) 
     workers = len(launched.workers) or host_count(args, len(staged.silos))
     logs = staged.root / "logs"
     attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
+    policies = silo_policies(getattr(args, "silo_policy", []), len(staged.silos))
     started, hub, port = launched.started, launched.hub, launched.port
     procs = launched.procs
     ray_hosts = None
@@ -342,7 +369,8 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None) 
                 "load_when_sampled": not getattr(args, "load_at_join", False),
                 "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
                            "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
-                           "labels": str(s.labels), "attack": attacks.get(s.name)} for s in staged.silos[w::workers]],
+                           "labels": str(s.labels), "attack": attacks.get(s.name), "policy": policies.get(s.name)}
+                          for s in staged.silos[w::workers]],
             }
             spec_path = staged.root / f"worker-{w}.json"
             aside = spec_path.with_name(f".{spec_path.name}.tmp")  # whole or absent: its worker is waiting for it
@@ -557,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.attackers and not entry.hub.needs_silos:
             raise ValueError(f"--attackers needs silos, and {args.algorithm} runs at the hub alone")
         check_attack(args.attack, "--attack")
+        silo_policies(args.silo_policy, args.silos)  # a bad policy file fails here, before anything starts
         if args.labeled_silos < 0 or args.labeled_silos > args.silos:
             raise ValueError("--labeled-silos must be between 0 and --silos")
         from silo_sim.ray_engine import check_engine_args  # imports Ray only for --engine ray

@@ -53,8 +53,10 @@ class InProcessSilos:
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
         if self.silo is None:
             raise ValueError(f"algorithm {loop.algorithm.name!r} needs silos, but no silo half was given")
-        # What a silo-client builds from the task it fetched: the hyperparameters as the wire carries them (JSON).
-        plan = replace(task.plan, hyperparameters=json.loads(task.hyperparameters_json))
+        # What a silo-client builds from the task it fetched: the hyperparameters as the wire carries them (JSON),
+        # with the round's DP-SGD settings (a silo-client takes those from the task's typed privacy).
+        plan = replace(task.plan, hyperparameters={**json.loads(task.hyperparameters_json),
+                                                   **task.round_hyperparameters})
         for name in sorted(task.sampled):
             if loop.stop_event.is_set():
                 raise InterruptedError("stopping")

@@ -33,8 +33,9 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
 
     threads = int(spec.get("threads", 1))
     torch.set_num_threads(threads)
-    from silo_client.client import SiloClient, SiloSettings
+    from silo_client.client import SiloClient, SiloLeft, SiloSettings
     from silo_client.metrics import SiloMetricFamilies, SiloMetrics
+    from silo_client.policy import load_policy
 
     families = SiloMetricFamilies()
     server = None
@@ -64,10 +65,15 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
                 sim_attack=entry.get("attack"), load_when_sampled=bool(spec.get("load_when_sampled", False)),
+                policy=load_policy(Path(entry["policy"])) if entry.get("policy") else None,
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             hub_listening.wait()  # set up while the hub starts; dial it once it listens
             results[name] = client.run_forever()
+        except SiloLeft as left:  # its policy refused the run or left it: said to the hub, recorded, not a crash
+            logging.getLogger("silo_sim.worker").warning("silo %s left the run by its policy (%s): %s", name,
+                                                         left.refusal.clause, left)
+            results[name] = 3
         except Exception as err:  # one silo's failure must not take the others down
             logging.getLogger("silo_sim.worker").error("silo %s stopped: %s", name, err)
             results[name] = 1
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     spec = json.loads(args.spec.read_text())
     results = host_silos(spec, stop)
-    return 1 if any(rc != 0 for rc in results.values()) else 0
+    return 1 if any(rc not in (0, 3) for rc in results.values()) else 0  # 3: left by its policy, said why
 
 
 if __name__ == "__main__":

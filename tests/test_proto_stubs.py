@@ -20,11 +20,13 @@ def test_stubs_match_the_proto(tmp_path):
         )
 
 
-def test_stub_declares_the_four_calls():
+def test_stub_declares_the_five_calls():
     from silo.v1 import silo_pb2
 
     service = silo_pb2.DESCRIPTOR.services_by_name["Federation"]
-    assert sorted(m.name for m in service.methods) == ["Download", "Join", "NextTask", "Upload"]
+    assert sorted(m.name for m in service.methods) == ["Download", "Join", "Leave", "NextTask", "Upload"]
+    leave = service.methods_by_name["Leave"]
+    assert not leave.server_streaming and not leave.client_streaming
     download, upload = service.methods_by_name["Download"], service.methods_by_name["Upload"]
     assert download.server_streaming and not download.client_streaming
     assert upload.client_streaming and not upload.server_streaming

@@ -207,6 +207,13 @@ def overview() -> dict:
                unit="d", thresholds=CERT_STEPS),
         ],
         [
+            Panel("Branches that refused or left", "bargauge", 24, 6, [
+                ("sum by (kind, clause) (silokit_hub_silo_departures_total)", "{{kind}}: {{clause}}"),
+            ], "Silos whose own policy refused the run's privacy terms at join (refused), found a task asking for less "
+               "than the terms pinned for the run (breach) or reached an epsilon ceiling (budget), by the policy "
+               "clause they named; `silo-server --check` lists which branch and both values.", min=0),
+        ],
+        [
             Panel("Hub memory", "timeseries", 12, 7, [
                 ('process_resident_memory_bytes{job="silokit-hub"}', "resident"),
             ], "Resident memory of the hub process. Streaming aggregation keeps it flat as more silos report.",
@@ -278,6 +285,13 @@ def silo_view() -> dict:
                 (f"rate(silokit_silo_received_bytes_total{s}[5m])", "from hub"),
                 (f"rate(silokit_silo_sent_bytes_total{s}[5m])", "to hub"),
             ], "Bytes per second this silo downloaded and uploaded.", unit="Bps", min=0),
+        ],
+        [
+            Panel("Privacy spent (the silo's own ledger)", "timeseries", 24, 7, [
+                (f"silokit_silo_epsilon{s}", "{{guarantee}}"),
+            ], "Epsilon by the silo's own ledger, never the hub's figures: client_dp (distributed noise; holds while "
+               "the round's minimum number of cohort silos add theirs honestly), sample_dp (DP-SGD; holds against "
+               "any hub), image (the tighter, this run), lifetime (all runs and hubs). Empty: no guarantee.", min=0),
         ],
         [
             Panel("Last contact (silo side)", "stat", 8, 4, [

@@ -1,13 +1,15 @@
 """The hub's half of SecAgg+: collect each stage's messages, close the stage, relay, and finally unmask the sum.
 
-    h = HubSession(session_id, silo_ids, params, shapes)
+    h = HubSession(session_id, silo_ids, params, shapes, verifier=..., run_id=..., signed=True)
     h.receive_keys(silo, payload)*        ; rosters  = h.close_advertise()    # U1: silos that advertised keys
     h.receive_shares(silo, payload)*      ; inboxes  = h.close_share_keys()   # U2: silos that shared keys
     h.receive_masked_input(silo, payload)*; requests = h.close_masked_input() # U3: silos whose masked input arrived
-    h.receive_unmask(silo, payload)*      ; result   = h.finish()             # U4: silos that revealed shares
+    h.receive_consistency(silo, payload)* ; requests = h.close_consistency()  # U4: silos that signed U3
+    h.receive_unmask(silo, payload)*      ; result   = h.finish()             # U5: silos that revealed shares
 
-U1 >= U2 >= U3 >= U4. The masked inputs are added into one running sum mod 2^m as they arrive (memory does not
-grow with the number of silos). At the end, with N_j the neighbours of j,
+U1 >= U2 >= U3 >= U4 >= U5 (the stats keep their names: "u4" counts the silos that revealed shares, U5 here, and
+"consistency" those that signed U3). The masked inputs are added into one running sum mod 2^m as they arrive
+(memory does not grow with the number of silos). At the end, with N_j the neighbours of j,
 
     sum_{i in U3} Q(x_i) = sum_{i in U3} y_i - sum_{i in U3} PRG(K_self(b_i))
                            - sum_{j in U2 \\ U3} sum_{i in N_j & U3} sign(i, j) PRG(K_ij)       (mod 2^m)
@@ -18,8 +20,14 @@ K_ij = HKDF(X25519(s_sk_j, s_pk_i))) from t shares and checked against j's adver
 
 Dropouts are tolerated at every stage while the threshold holds: when a stage closes, a silo with fewer than t live
 neighbours is left out (it cannot be unmasked later); once masked inputs have been summed nobody can be left out,
-so if some silo in U2 then lacks t neighbours to reveal its secret, the round is abandoned (RoundAbandoned). The
-result is always exact or nothing: never a wrong sum.
+so if some silo in U2 then lacks t neighbours to reveal its secret (after the masked input or after the
+consistency round), the round is abandoned (RoundAbandoned). The result is always exact or nothing: never a
+wrong sum.
+
+In a signed session (silo.py's docstring has the threat model) the hub checks what it can before relaying: each
+silo's advertised keys against its certificate (a bad signature drops that silo before any honest silo sees its
+keys) and each consistency signature against the survivor set. The silos do not rely on these checks; they
+verify every neighbour's signature themselves, because the hub is the party they guard against.
 """
 
 from __future__ import annotations
@@ -36,11 +44,12 @@ from security.secagg import messages as msg
 from security.secagg import primitives as pr
 from security.secagg import shamir
 from security.secagg.graph import degree_for, neighbour_graph, threshold_for
+from security.secagg.identity import IdentityError, PeerVerifier, advertise_statement, survivors_statement
 from security.secagg.params import SecAggParams
 from security.secagg.quantize import UINT, Rule, check_capacity, decode_sum, rule_for
 from security.secagg.silo import self_mask_key
 
-STAGES = ("advertise_keys", "share_keys", "masked_input", "unmask", "done", "abandoned")
+STAGES = ("advertise_keys", "share_keys", "masked_input", "consistency", "unmask", "done", "abandoned")
 
 
 class RoundAbandoned(RuntimeError):
@@ -59,11 +68,17 @@ class SecAggResult:
 class HubSession:
     def __init__(self, session_id: str, silo_ids: Sequence[str], params: SecAggParams,
                  shapes: Mapping[str, tuple[int, ...]], rng: random.Random | None = None,
-                 min_survivors: int | None = None):
+                 min_survivors: int | None = 1, *, verifier: PeerVerifier | None = None, run_id: str = "",
+                 signed: bool = False):
         ids = sorted(set(silo_ids))
         if len(ids) != len(silo_ids):
             raise ValueError("silo ids repeat")
+        if signed and verifier is None:
+            raise ValueError("a signed session needs a verifier for the silos' certificates")
         self.session = session_id
+        self.verifier = verifier
+        self.run_id = run_id
+        self.signed = signed
         self.params = params
         self.rules: list[Rule] = params.rules()
         self.bits = params.modulus_bits
@@ -84,6 +99,7 @@ class HubSession:
 
         self.stage = "advertise_keys"
         self.keys: dict[str, tuple[bytes, bytes]] = {}  # silo -> (c_pk, s_pk)
+        self.identities: dict[str, tuple[str, str]] = {}  # silo -> (certificate, signature over its keys), base64
         self.u1: set[str] = set()
         self.sealed: dict[str, dict[str, str]] = {}  # sender -> recipient -> ciphertext (base64)
         self.commitments: dict[str, bytes] = {}
@@ -91,6 +107,8 @@ class HubSession:
         self.total = np.zeros(self.size, self.dtype)
         self.masked_from: set[str] = set()
         self.u3: set[str] = set()
+        self.consistency_signatures: dict[str, str] = {}  # silo in U3 -> its signature over U3 (base64)
+        self.u4: set[str] = set()  # the silos that signed U3 (Bonawitz et al.'s U4)
         self.revealed: dict[str, dict[str, int]] = {}  # owner -> {x: y}
         self.unmasked_from: set[str] = set()
         self.gone: set[str] = set()  # silos that said they cannot continue (the wire layer stops waiting for them)
@@ -121,8 +139,10 @@ class HubSession:
             pending = self.u1 - set(self.sealed)
         elif self.stage == "masked_input":
             pending = self.u2 - self.masked_from
+        elif self.stage == "consistency":
+            pending = self.u3 - set(self.consistency_signatures)
         elif self.stage == "unmask":
-            pending = self.u3 - self.unmasked_from
+            pending = self.u4 - self.unmasked_from
         else:
             pending = set()
         return pending - self.gone
@@ -130,7 +150,7 @@ class HubSession:
     def dropouts(self) -> set[str]:
         """Silos that left the protocol so far: gave up, or did not answer a stage they were part of."""
         asked_answered = ((set(self.ids), set(self.keys)), (self.u1, set(self.sealed)), (self.u2, self.masked_from),
-                          (self.u3, self.unmasked_from))
+                          (self.u3, set(self.consistency_signatures)), (self.u4, self.unmasked_from))
         out = set(self.gone)
         for asked, answered in asked_answered:
             out |= asked - answered
@@ -166,7 +186,16 @@ class HubSession:
                 pr.new_keypair().exchange(pr.load_public(pk))
         except ValueError as err:
             raise msg.ProtocolError(f"unusable public key: {err}") from None
+        if self.signed:
+            if not m.cert or not m.signature:
+                raise msg.ProtocolError(f"silo {silo_id}'s keys are not signed (no certificate or signature)")
+            try:
+                self.verifier.verify(silo_id, msg.unb64(m.cert), advertise_statement(
+                    self.run_id, self.session, silo_id, c_pk, s_pk), msg.unb64(m.signature))
+            except IdentityError as err:
+                raise msg.ProtocolError(f"silo {silo_id}'s keys are not signed by its certificate: {err}") from None
         self.keys[silo_id] = (c_pk, s_pk)
+        self.identities[silo_id] = (m.cert, m.signature)
         self.bytes_in += len(payload)
 
     def close_advertise(self) -> dict[str, bytes]:
@@ -179,7 +208,8 @@ class HubSession:
         for i in sorted(self.u1):
             neighbours = [
                 msg.NeighbourKeys(silo_id=j, index=self.index[j], c_pk=msg.b64(self.keys[j][0]),
-                                  s_pk=msg.b64(self.keys[j][1]))
+                                  s_pk=msg.b64(self.keys[j][1]), cert=self.identities[j][0],
+                                  signature=self.identities[j][1])
                 for j in sorted(self.graph[i] & self.u1)
             ]
             rosters[i] = msg.dump(msg.Roster(
@@ -233,28 +263,85 @@ class HubSession:
         self.bytes_in += len(payload)
 
     def close_masked_input(self) -> dict[str, bytes]:
-        """U3, and for each member the fate of its neighbours in U2: survived (in U3) or dropped."""
+        """U3, and for each member the same consistency request: the survivor set U3 to acknowledge (sign)."""
         if self.stage != "masked_input":
             raise msg.ProtocolError(f"cannot close masked_input at stage {self.stage}")
         self.u3 = set(self.masked_from)
         if len(self.u3) < self.min_survivors:
             raise self._abandon(f"{len(self.u3)} masked inputs, {self.min_survivors} needed")
-        short = sorted(j for j in self.u2 if len(self.graph[j] & self.u3) < self.threshold)
+        self._check_recoverable(self.u3, "the masked input")
+        request = msg.dump(msg.ConsistencyRequest(session=self.session, survivors=sorted(self.u3)))
+        requests = {i: request for i in sorted(self.u3)}
+        self.stage = "consistency"
+        self.bytes_out += sum(map(len, requests.values()))
+        return requests
+
+    def _check_recoverable(self, revealers: set[str], stage: str) -> None:
+        """Every silo in U2 needs t neighbours among those who may still reveal its shares, or its mask stays in
+        the sum for good: abandon."""
+        short = sorted(j for j in self.u2 if len(self.graph[j] & revealers) < self.threshold)
         if short:
             raise self._abandon(f"silo(s) {', '.join(short[:5])} have fewer than t = {self.threshold} neighbours "
-                                f"left to reveal their secrets")
-        requests = {
-            i: msg.dump(msg.UnmaskRequest(session=self.session, survivors=sorted(self.graph[i] & self.u3),
-                                          dropped=sorted(self.graph[i] & (self.u2 - self.u3))))
-            for i in sorted(self.u3)
-        }
+                                f"left to reveal their secrets after {stage}")
+
+    # ------------------------------------------------------------------ stage 3: consistency
+    def receive_consistency(self, silo_id: str, payload: bytes) -> None:
+        """A member of U3 acknowledges U3; in a signed session its signature must verify over exactly U3."""
+        self._expect("consistency", silo_id, self.u3, self.consistency_signatures)
+        m = msg.parse(msg.ConsistencySignature, payload, self.session)
+        if self.signed:
+            if not m.signature:
+                raise msg.ProtocolError(f"silo {silo_id} did not sign the survivor set")
+            try:
+                self.verifier.verify(silo_id, msg.unb64(self.identities[silo_id][0]),
+                                     survivors_statement(self.run_id, self.session, self.u3),
+                                     msg.unb64(m.signature))
+            except IdentityError as err:
+                raise msg.ProtocolError(f"silo {silo_id}'s signature over the survivor set does not verify: "
+                                        f"{err}") from None
+        self.consistency_signatures[silo_id] = m.signature
+        self.bytes_in += len(payload)
+
+    def close_consistency(self) -> dict[str, bytes]:
+        """U4, and for each member its unmask request: the fate of its neighbours in U2 (survived: in U3, or
+        dropped) and the signatures of U4 over U3, its own neighbours' first."""
+        if self.stage != "consistency":
+            raise msg.ProtocolError(f"cannot close consistency at stage {self.stage}")
+        self.u4 = set(self.consistency_signatures)
+        if len(self.u4) < self.min_survivors:
+            raise self._abandon(f"{len(self.u4)} silos signed the survivor set, {self.min_survivors} needed")
+        self._check_recoverable(self.u4, "the consistency round")
+        signed = {j: msg.SignedSurvivors(silo_id=j, cert=self.identities[j][0],
+                                         signature=self.consistency_signatures[j]) for j in sorted(self.u4)}
+        requests = {}
+        for i in sorted(self.u4):
+            requests[i] = msg.dump(msg.UnmaskRequest(
+                session=self.session, survivors=sorted(self.graph[i] & self.u3),
+                dropped=sorted(self.graph[i] & (self.u2 - self.u3)), signatures=self._signatures_for(i, signed)))
         self.stage = "unmask"
         self.bytes_out += sum(map(len, requests.values()))
         return requests
 
-    # ------------------------------------------------------------------ stage 3: unmask
+    def _signatures_for(self, i: str, signed: dict[str, msg.SignedSurvivors]) -> list[msg.SignedSurvivors]:
+        """The signatures over U3 that silo i needs, its neighbours' first and without their certificates (it has
+        them from its roster), then others' with theirs until there are max(min_survivors, t): a silo that
+        accepted the run's terms needs no more (its policy's cohort is at most the terms' minimum, which
+        min_survivors holds). Never past one message (MAX_JSON_BYTES)."""
+        first = [signed[j].model_copy(update={"cert": ""}) for j in sorted(self.graph[i] & self.u4)]
+        others = max(0, max(self.min_survivors, self.threshold) - len(first))
+        rest = [signed[j] for j in sorted(self.u4 - self.graph[i])][:others]
+        budget = msg.MAX_JSON_BYTES - 1024 - sum(len(j) + 4 for j in self.graph[i])  # room for the id lists
+        out = []
+        for entry in first + rest:
+            budget -= len(entry.silo_id) + len(entry.cert) + len(entry.signature) + 48
+            if budget < 0:
+                break
+            out.append(entry)
+        return out
+
+    # ------------------------------------------------------------------ stage 4: unmask
     def receive_unmask(self, silo_id: str, payload: bytes) -> None:
-        self._expect("unmask", silo_id, self.u3, self.unmasked_from)
+        self._expect("unmask", silo_id, self.u4, self.unmasked_from)
         m = msg.parse(msg.UnmaskReply, payload, self.session)
         if m.x != self.index[silo_id]:
             raise msg.ProtocolError(f"silo {silo_id} quotes share point {m.x}, its index is {self.index[silo_id]}")
@@ -331,6 +418,7 @@ class HubSession:
             sums=sums, contributors=sorted(self.u3), integer_sums=integer_sums, suspects=sorted(suspects),
             stats={"sampled": len(self.ids), "advertised": len(self.keys), "u1": len(self.u1),
                    "u2": len(self.u2), "u3": len(self.u3), "u4": len(self.unmasked_from),
+                   "consistency": len(self.u4),
                    "degree": self.degree, "threshold": self.threshold,
                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out},
         )

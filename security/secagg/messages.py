@@ -1,12 +1,16 @@
 """The stage messages, as bytes on the wire: JSON validated by strict pydantic models (binary fields base64), and
 the masked input as safetensors. Nothing is ever unpickled; anything malformed raises ProtocolError.
 
-    silo -> hub    AdvertiseKeys   two X25519 public keys (c: share encryption, s: pairwise masks)
-    hub  -> silo   Roster          the round's parameters and the silo's neighbours with their public keys
+    silo -> hub    AdvertiseKeys   two X25519 public keys (c: share encryption, s: pairwise masks); signed
+                                   sessions add the silo's certificate and its signature over the keys
+    hub  -> silo   Roster          the round's parameters and the silo's neighbours with their public keys (and
+                                   each neighbour's own certificate and signature, relayed unchanged)
     silo -> hub    SharedKeys      a commitment to the self-mask seed and one AES-GCM ciphertext per neighbour
     hub  -> silo   Inbox           the ciphertexts neighbours addressed to this silo
     silo -> hub    masked input    y = quantized x + self mask +- pairwise masks  (safetensors, uint32/uint64)
-    hub  -> silo   UnmaskRequest   which neighbours survived and which dropped
+    hub  -> silo   ConsistencyRequest    the survivor set U3, the same for every silo in it
+    silo -> hub    ConsistencySignature  the silo's signature over U3 (empty in an unsigned session)
+    hub  -> silo   UnmaskRequest   which neighbours survived and which dropped, and every signature over U3
     silo -> hub    UnmaskReply     for each: a share of its self-mask seed (survived) or masking key (dropped)
 """
 
@@ -15,7 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,10 +41,17 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# base64 DER of a silo certificate, and of an ECDSA P-256 signature (at most 72 bytes raw); "" when unsigned
+CertB64 = Annotated[str, Field(max_length=16_384)]
+SignatureB64 = Annotated[str, Field(max_length=256)]
+
+
 class AdvertiseKeys(_Msg):
     session: str
     c_pk: str  # base64, 32 bytes
     s_pk: str
+    cert: CertB64 = ""
+    signature: SignatureB64 = ""  # over identity.advertise_statement(run, session, silo, c_pk, s_pk)
 
 
 class NeighbourKeys(_Msg):
@@ -48,6 +59,8 @@ class NeighbourKeys(_Msg):
     index: int = Field(ge=1)
     c_pk: str
     s_pk: str
+    cert: CertB64 = ""  # the neighbour's own certificate and signature, as it advertised them
+    signature: SignatureB64 = ""
 
 
 class RuleMsg(_Msg):
@@ -87,10 +100,27 @@ class Inbox(_Msg):
     shares: dict[str, str]  # sender silo id -> base64 ciphertext
 
 
+class ConsistencyRequest(_Msg):
+    session: str
+    survivors: list[str]  # U3: every silo whose masked input the hub summed
+
+
+class ConsistencySignature(_Msg):
+    session: str
+    signature: SignatureB64 = ""  # over identity.survivors_statement(run, session, survivors)
+
+
+class SignedSurvivors(_Msg):
+    silo_id: str
+    cert: CertB64 = ""
+    signature: SignatureB64 = ""
+
+
 class UnmaskRequest(_Msg):
     session: str
     survivors: list[str]
     dropped: list[str]
+    signatures: list[SignedSurvivors] = Field(default_factory=list)  # U4's signatures over the survivor set
 
 
 class RevealedShare(_Msg):

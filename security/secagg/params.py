@@ -53,6 +53,9 @@ class SecAggParams(StrictConfig):
     quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
     max_masked_bytes: int = Field(1 << 30, ge=1024, le=64 << 30, description="cap on one masked upload")
     stage_deadline_s: float = Field(120.0, gt=0, le=86_400, description="time limit of each stage after training")
+    min_cohort: int = Field(
+        2, ge=2, le=100_000, description="every round's sum holds the inputs of at least this many silos: the hub "
+        "samples and waits for at least this many, and states it in the run's terms (a branch policy may require more)")
     dropouts: int = Field(
         1, ge=0, le=1000, description="a round must survive this many sampled silos dropping out after they were "
         "sampled; the hub samples (and waits for) enough silos for it")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("client_version", "num_unlabeled", "num_labeled", "capabilities", "device", "skipped_images", "preparing")
+    __slots__ = ("client_version", "num_unlabeled", "num_labeled", "capabilities", "device", "skipped_images", "preparing", "protocol_version", "features")
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_UNLABELED_FIELD_NUMBER: _ClassVar[int]
     NUM_LABELED_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class JoinRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     PREPARING_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     client_version: str
     num_unlabeled: int
     num_labeled: int
@@ -23,10 +25,12 @@ class JoinRequest(_message.Message):
     device: str
     skipped_images: int
     preparing: bool
-    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: bool = ...) -> None: ...
+    protocol_version: int
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: bool = ..., protocol_version: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunDescription(_message.Message):
-    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture")
+    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture", "protocol_version", "terms")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +46,8 @@ class RunDescription(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FACTORY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     model: str
@@ -57,7 +63,147 @@ class RunDescription(_message.Message):
     chunk_bytes: int
     model_factory: str
     architecture: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_factory: _Optional[str] = ..., architecture: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    protocol_version: int
+    terms: PrivacyTerms
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_factory: _Optional[str] = ..., architecture: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., terms: _Optional[_Union[PrivacyTerms, _Mapping]] = ...) -> None: ...
+
+class PrivacyTerms(_message.Message):
+    __slots__ = ("secure_aggregation", "client_dp", "sample_dp", "clear_metrics")
+    SECURE_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_DP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DP_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_METRICS_FIELD_NUMBER: _ClassVar[int]
+    secure_aggregation: SecureAggregationTerms
+    client_dp: ClientDPTerms
+    sample_dp: SampleDPTerms
+    clear_metrics: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, secure_aggregation: _Optional[_Union[SecureAggregationTerms, _Mapping]] = ..., client_dp: _Optional[_Union[ClientDPTerms, _Mapping]] = ..., sample_dp: _Optional[_Union[SampleDPTerms, _Mapping]] = ..., clear_metrics: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SecureAggregationTerms(_message.Message):
+    __slots__ = ("enabled", "min_cohort", "threshold", "neighbours", "dropouts", "signed", "min_threshold")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MIN_COHORT_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    DROPOUTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
+    MIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    min_cohort: int
+    threshold: float
+    neighbours: int
+    dropouts: int
+    signed: bool
+    min_threshold: int
+    def __init__(self, enabled: bool = ..., min_cohort: _Optional[int] = ..., threshold: _Optional[float] = ..., neighbours: _Optional[int] = ..., dropouts: _Optional[int] = ..., signed: bool = ..., min_threshold: _Optional[int] = ...) -> None: ...
+
+class ClientDPTerms(_message.Message):
+    __slots__ = ("enabled", "noise", "noise_multiplier", "clip_norm", "max_clip_norm", "delta", "adaptive", "clip_tensors", "epsilon_budget", "rounds", "sample_rate")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NOISE_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    noise: str
+    noise_multiplier: float
+    clip_norm: float
+    max_clip_norm: float
+    delta: float
+    adaptive: bool
+    clip_tensors: _containers.RepeatedScalarFieldContainer[str]
+    epsilon_budget: float
+    rounds: int
+    sample_rate: float
+    def __init__(self, enabled: bool = ..., noise: _Optional[str] = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., max_clip_norm: _Optional[float] = ..., delta: _Optional[float] = ..., adaptive: bool = ..., clip_tensors: _Optional[_Iterable[str]] = ..., epsilon_budget: _Optional[float] = ..., rounds: _Optional[int] = ..., sample_rate: _Optional[float] = ...) -> None: ...
+
+class SampleDPTerms(_message.Message):
+    __slots__ = ("enabled", "noise_multiplier", "clip_norm", "delta", "epsilon_budget")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    noise_multiplier: float
+    clip_norm: float
+    delta: float
+    epsilon_budget: float
+    def __init__(self, enabled: bool = ..., noise_multiplier: _Optional[float] = ..., clip_norm: _Optional[float] = ..., delta: _Optional[float] = ..., epsilon_budget: _Optional[float] = ...) -> None: ...
+
+class TaskPrivacy(_message.Message):
+    __slots__ = ("secagg_session", "min_contributors", "client_dp", "sample_dp")
+    SECAGG_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_DP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_DP_FIELD_NUMBER: _ClassVar[int]
+    secagg_session: str
+    min_contributors: int
+    client_dp: TaskClientDP
+    sample_dp: SampleDPTerms
+    def __init__(self, secagg_session: _Optional[str] = ..., min_contributors: _Optional[int] = ..., client_dp: _Optional[_Union[TaskClientDP, _Mapping]] = ..., sample_dp: _Optional[_Union[SampleDPTerms, _Mapping]] = ...) -> None: ...
+
+class TaskClientDP(_message.Message):
+    __slots__ = ("enabled", "clip_norm", "noise_std", "indicator_noise_std", "adaptive", "clip_tensors")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    NOISE_STD_FIELD_NUMBER: _ClassVar[int]
+    INDICATOR_NOISE_STD_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    CLIP_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    clip_norm: float
+    noise_std: float
+    indicator_noise_std: float
+    adaptive: bool
+    clip_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: bool = ..., clip_norm: _Optional[float] = ..., noise_std: _Optional[float] = ..., indicator_noise_std: _Optional[float] = ..., adaptive: bool = ..., clip_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PolicyRefusal(_message.Message):
+    __slots__ = ("kind", "clause", "required", "offered", "message", "round")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[PolicyRefusal.Kind]
+        REFUSED: _ClassVar[PolicyRefusal.Kind]
+        BREACH: _ClassVar[PolicyRefusal.Kind]
+        BUDGET: _ClassVar[PolicyRefusal.Kind]
+    KIND_UNSPECIFIED: PolicyRefusal.Kind
+    REFUSED: PolicyRefusal.Kind
+    BREACH: PolicyRefusal.Kind
+    BUDGET: PolicyRefusal.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CLAUSE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    OFFERED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    kind: PolicyRefusal.Kind
+    clause: str
+    required: str
+    offered: str
+    message: str
+    round: int
+    def __init__(self, kind: _Optional[_Union[PolicyRefusal.Kind, str]] = ..., clause: _Optional[str] = ..., required: _Optional[str] = ..., offered: _Optional[str] = ..., message: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("run_id", "refusal")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    refusal: PolicyRefusal
+    def __init__(self, run_id: _Optional[str] = ..., refusal: _Optional[_Union[PolicyRefusal, _Mapping]] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: bool = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("silo_id", "run")
@@ -86,7 +232,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message", "privacy_json", "secagg_stage", "secagg_payload")
+    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message", "secagg_stage", "secagg_payload", "privacy")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Task.Kind]
@@ -112,9 +258,9 @@ class Task(_message.Message):
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    PRIVACY_JSON_FIELD_NUMBER: _ClassVar[int]
     SECAGG_STAGE_FIELD_NUMBER: _ClassVar[int]
     SECAGG_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     kind: Task.Kind
     run_id: str
     round: int
@@ -126,10 +272,10 @@ class Task(_message.Message):
     expected: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     retry_after_s: float
     message: str
-    privacy_json: str
     secagg_stage: str
     secagg_payload: bytes
-    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ..., privacy_json: _Optional[str] = ..., secagg_stage: _Optional[str] = ..., secagg_payload: _Optional[bytes] = ...) -> None: ...
+    privacy: TaskPrivacy
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ..., secagg_stage: _Optional[str] = ..., secagg_payload: _Optional[bytes] = ..., privacy: _Optional[_Union[TaskPrivacy, _Mapping]] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("run_id", "task_id")

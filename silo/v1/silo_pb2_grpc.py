@@ -54,6 +54,11 @@ class FederationStub(object):
                 request_serializer=silo_dot_v1_dot_silo__pb2.UploadMessage.SerializeToString,
                 response_deserializer=silo_dot_v1_dot_silo__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/silo.v1.Federation/Leave',
+                request_serializer=silo_dot_v1_dot_silo__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=silo_dot_v1_dot_silo__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class FederationServicer(object):
@@ -87,6 +92,15 @@ class FederationServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A silo leaves the run for a reason of its own: its policy refuses the run's terms, a task breached the terms
+        pinned for the run, or its privacy budget is spent. The hub never samples it again in this run, logs the reason
+        once and counts it. Protocol 2.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.Upload,
                     request_deserializer=silo_dot_v1_dot_silo__pb2.UploadMessage.FromString,
                     response_serializer=silo_dot_v1_dot_silo__pb2.UploadReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=silo_dot_v1_dot_silo__pb2.LeaveRequest.FromString,
+                    response_serializer=silo_dot_v1_dot_silo__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Federation(object):
             '/silo.v1.Federation/Upload',
             silo_dot_v1_dot_silo__pb2.UploadMessage.SerializeToString,
             silo_dot_v1_dot_silo__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/silo.v1.Federation/Leave',
+            silo_dot_v1_dot_silo__pb2.LeaveRequest.SerializeToString,
+            silo_dot_v1_dot_silo__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

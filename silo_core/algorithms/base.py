@@ -188,6 +188,9 @@ class SiloAlgorithm(ABC):
     trains_on_unlabeled: bool = True  # uses a site's unlabeled images (SiloData.images)
     needs_true_labels: bool = False  # simulation-only ceilings that train on the silos' true labels
     supports_sample_dp: bool = False  # can train with DP-SGD (silo_core/dp_sgd.py) when the plan asks for it
+    # The clear per-silo metrics this half reports in SiloResult.metrics (names, or fnmatch patterns): what a hub
+    # may ask for in its run's privacy terms. A silo sends only those the terms ask for and its policy allows.
+    clear_metrics: tuple[str, ...] = ("pl_total", "pl_selected", "pl_correct", "train_loss", "train_steps")
 
     def __init__(self, options: Any, model_spec: ModelSpec, device: torch.device):
         self.options = options

@@ -342,6 +342,7 @@ class FedSEALHub(HubAlgorithm):
 
 class FedSEALSilo(SiloAlgorithm):
     name = "fedseal"
+    clear_metrics = ("pl_total", "pl_selected", "pl_correct", "nl_selected", "nl_correct", "train_loss", "train_steps")
     options: FedSEALOptions
 
     def __init__(self, *args, **kwargs):

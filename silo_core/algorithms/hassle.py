@@ -273,6 +273,7 @@ class HASSLEHub(HubAlgorithm):
 
 class HASSLESilo(SiloAlgorithm):
     name = "hassle"
+    clear_metrics = ("pl_total", "pl_selected", "pl_correct", "loss_*", "sent_*")
     trains_on_labeled = True
     trains_on_unlabeled = True
     options: HASSLEOptions

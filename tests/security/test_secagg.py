@@ -179,7 +179,10 @@ def test_a_silo_that_lost_its_neighbourhood_before_sharing_is_left_out_not_the_r
     assert sorted(inboxes) == [ids[0], ids[1], ids[4], ids[5], ids[6]]  # silo-07 pruned: it kept only 2 < t
     for i in inboxes:
         hub.receive_masked_input(i, silos[i].masked_input(inboxes[i], inputs[i]))
-    requests = hub.close_masked_input()
+    survivors = hub.close_masked_input()
+    for i in survivors:
+        hub.receive_consistency(i, silos[i].consistency(survivors[i]))
+    requests = hub.close_consistency()
     for i in requests:
         hub.receive_unmask(i, silos[i].unmask(requests[i]))
     result = hub.finish()
@@ -229,7 +232,10 @@ def test_a_lying_share_holder_is_caught_and_never_yields_a_wrong_sum():
     inboxes = hub.close_share_keys()
     for i in ids:
         hub.receive_masked_input(i, silos[i].masked_input(inboxes[i], inputs[i]))
-    requests = hub.close_masked_input()
+    survivors = hub.close_masked_input()
+    for i in ids:
+        hub.receive_consistency(i, silos[i].consistency(survivors[i]))
+    requests = hub.close_consistency()
     for i in ids:
         reply = silos[i].unmask(requests[i])
         hub.receive_unmask(i, lie(reply) if i == "silo-03" else reply)
@@ -289,6 +295,9 @@ def test_a_silo_refuses_a_weak_roster_and_an_inconsistent_unmask_request():
     inboxes = hub.close_share_keys()
     for i in ids:
         hub.receive_masked_input(i, silos[i].masked_input(inboxes[i], inputs[i]))
+    survivors = hub.close_masked_input()
+    for i in ids:
+        silos[i].consistency(survivors[i])
     neighbours = sorted(set(ids) - {ids[0]})
     both = {"session": "u", "survivors": neighbours, "dropped": neighbours[:1]}
     with pytest.raises(SecAggError, match="both survived and dropped"):

@@ -16,7 +16,7 @@ import silo_client.client
 from security import pki, tls
 from security.crl import RevocationList
 from security.gate import PeerGate
-from silo_client.client import HUB_SERIALS_SEEN, SiloClient, SiloError, SiloSettings
+from silo_client.client import HUB_SERIALS_SEEN, HubSeen, SiloClient, SiloError, SiloSettings
 from tests.security.test_gate import _call, _serve
 from tests.silo_client.test_cli_errors import write_images
 
@@ -80,7 +80,8 @@ def test_silos_of_one_process_share_one_checking_handshake_and_a_revoked_serial_
         revoked = x509.load_pem_x509_certificate((other / "cert.pem").read_bytes()).serial_number
         pki.revoke(federation["ca"], "s2")
         shutil.copyfile(federation["ca"] / "crl.pem", federation["silo"] / "crl.pem")
-        HUB_SERIALS_SEEN.saw(federation["target"], (federation["silo"] / "ca.pem").read_bytes(), revoked)
+        HUB_SERIALS_SEEN.saw(federation["target"], (federation["silo"] / "ca.pem").read_bytes(),
+                             HubSeen(revoked, "00" * 32))
         silos[0]._check_hub_certificate()  # passes: a handshake of its own saw the hub's real serial
         assert len(handshakes) == 2
     finally:

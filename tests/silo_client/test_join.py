@@ -21,10 +21,11 @@ def _hub_recording_joins(tmp_path):
     joins: list[tuple[bool, int, int]] = []
     real_join = app.hub.join
 
-    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False, serial=None):
+    def recording_join(silo_id, num_unlabeled, num_labeled, device, skipped_images=0, preparing=False, serial=None,
+                       **versions):
         joins.append((preparing, num_unlabeled, skipped_images))
         return real_join(silo_id, num_unlabeled, num_labeled, device, skipped_images, preparing=preparing,
-                         serial=serial)
+                         serial=serial, **versions)
 
     app.hub.join = recording_join
     return app, port, joins

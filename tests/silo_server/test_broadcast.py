@@ -40,7 +40,7 @@ def test_silos_outside_the_sample_receive_the_model_once_and_send_nothing(tmp_pa
                                                      receiver: "RECEIVE", idle: "RECEIVE"}
     got = views[receiver]
     assert got.task_id == task.task_id and got.round == 1 and got.bundle_sha256 == task.bundle_sha256
-    assert got.privacy_json == ""
+    assert got.privacy is None
 
     bundle = hub.download(receiver, hub.run_id, got.task_id)
     assert bundle == task.bundle

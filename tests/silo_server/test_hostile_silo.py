@@ -121,9 +121,9 @@ class HostileSecAggSilo(Silo):
     def run(self):
         original = self.privacy.submit
 
-        def submit(silo_id, task, result, expected):
+        def submit(silo_id, run_id, task, result, expected, **privacy):
             forged = SiloResult({"delta/x": torch.full((D,), self.delta), "weight": torch.tensor([self.weight])})
-            return original(silo_id, task, forged, expected)
+            return original(silo_id, run_id, task, forged, expected, **privacy)
 
         self.privacy.submit = submit
         super().run()

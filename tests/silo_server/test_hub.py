@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 
@@ -336,3 +337,18 @@ def test_an_announced_size_beyond_the_planned_tensors_is_refused_before_reading(
     upload(hub, "b", wait_task(hub, "b"), result(3.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
+
+
+def test_a_join_that_changes_nothing_is_neither_logged_nor_audited_but_a_new_connection_is(tmp_path, caplog):
+    from security.audit import AUDIT_FILE, AuditLog, read_records
+
+    audit = AuditLog(tmp_path / AUDIT_FILE)
+    hub = make_hub(tmp_path / "state", audit=audit)
+    with caplog.at_level(logging.INFO, logger="silo_server"):
+        for _ in range(50):  # a silo repeating Join on its connection
+            hub.join("a", 10, 0, "cpu", connection="ipv4:127.0.0.1:5001")
+        hub.join("a", 9, 0, "cpu", connection="ipv4:127.0.0.1:5001")  # a lower count: news
+        hub.join("a", 9, 0, "cpu", connection="ipv4:127.0.0.1:6002")  # a restarted process: news
+    joined = [r.message for r in caplog.records if r.message.startswith("silo a joined")]
+    assert len(joined) == 3
+    assert [r["num_unlabeled"] for _, r in read_records(audit.path) if r["kind"] == "join"] == [10, 9, 9]

@@ -67,11 +67,12 @@ class Silo(threading.Thread):
         header = {"run_id": self.hub.run_id, "total_bytes": len(payload), "sha256": sha256_hex(payload), **header}
         self.hub.upload(self.silo_id, header, iter_chunks(payload, 4096))
 
-    def send_result(self, task, tensors, metrics, skipped):
+    def send_result(self, task, tensors, metrics, skipped, epsilon=None):
         self.send({"task_id": task.task_id, "round": task.round, "skipped": skipped, "metrics": metrics},
                   encode(tensors) if tensors else b"")
+        return 0
 
-    def send_stage(self, task_id, round_, stage, payload):
+    def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
         self.send({"task_id": task_id, "round": round_, "secagg_stage": stage}, payload)
 
     def run(self):
@@ -81,13 +82,13 @@ class Silo(threading.Thread):
                     self.finished.wait(0.05)
                     continue
                 view = self.hub.next_task(self.silo_id, self.hub.run_id, wait_s=1.0)
-                task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy_json=view.privacy_json,
+                task = silo_pb2.Task(task_id=view.task_id, round=view.round, privacy=view.privacy,
                                      secagg_stage=view.secagg_stage, secagg_payload=view.secagg_payload)
                 if view.kind == "DONE":
                     return
                 if view.kind == "TRAIN":
                     result = SiloResult({"delta/x": torch.full((D,), self.value), "weight": torch.ones(1)})
-                    self.privacy.submit(self.silo_id, task, result, view.expected)
+                    self.privacy.submit(self.silo_id, self.hub.run_id, task, result, view.expected)
                 elif view.kind == "SECAGG":
                     if view.secagg_stage == self.die_at:
                         return  # killed mid-protocol: never heard from again
@@ -124,7 +125,7 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     # complete graph on 5: k = 4, t = 3; s3 shared its keys then vanished: its pair masks were removed
     assert secagg.degree == 4 and secagg.threshold == 3
     assert secagg.u2 == 5 and secagg.u3 == 4 and secagg.contributors == 4 and secagg.recoveries == 1
-    assert set(secagg.stage_seconds) == {"advertise_keys", "share_keys", "masked_input", "unmasking"}
+    assert set(secagg.stage_seconds) == {"advertise_keys", "share_keys", "masked_input", "consistency", "unmasking"}
     assert all(0 <= seconds < 30 for seconds in secagg.stage_seconds.values())
     mean = (1 + 2 + 3 + 5) / 4
     error = (state.tensors["model/x"] - mean).abs().max()
@@ -140,7 +141,7 @@ class OversizedMaskedInput(Silo):
     chunks_read = 0
     extra = 1
 
-    def send_stage(self, task_id, round_, stage, payload):
+    def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
         if stage != "masked_input":
             return super().send_stage(task_id, round_, stage, payload)
         limit = HubPrivacy.stage_bytes(self.hub.task.privacy, stage)

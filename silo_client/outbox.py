@@ -1,0 +1,144 @@
+"""The one door out of the branch: every message this silo sends to the hub passes here.
+
+Each message is checked against the branch's policy (its size; clear metrics kept in when the policy says so) and
+appended to the silo's hash-chained audit (security/audit.py) BEFORE it goes on the wire: time, the hub's
+certificate serial and fingerprint, run, round, task, message kind, tensor names, shapes and dtypes, byte count,
+sha256 of the payload, the pinned terms' hash and the epsilon after the round. A message with no record was not
+sent by this code; `silo-audit verify` checks the chain and that it agrees with the silo's ledger.
+
+No image path, file name, DICOM header value or pixel enters the audit: only what the message itself carries.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from security.audit import AuditLog
+from silo.v1 import silo_pb2
+from silo_client.ledger import RunEpsilon
+from silo_client.policy import BranchPolicy, Refusal, check_upload
+from silo_core.tensors import CHUNK_BYTES, encode, iter_chunks, sha256_hex
+
+log = logging.getLogger("silo_client")
+
+UPLOAD_TIMEOUT_S = 600.0
+
+
+class PolicyStop(Exception):
+    """Something this silo was about to send is outside its policy: nothing was sent; the silo leaves the run."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+def epsilon_fields(figures: RunEpsilon | None, lifetime: float | None) -> dict[str, float | None] | None:
+    if figures is None:
+        return None
+    return {"client": figures.client, "sample": figures.sample, "image": figures.image, "lifetime": lifetime}
+
+
+def metrics_allowed(metrics: Mapping[str, float], asked: list[str]) -> dict[str, float]:
+    """The clear metrics among `metrics` whose names the terms ask for (names or fnmatch patterns)."""
+    return {k: v for k, v in metrics.items() if any(fnmatch.fnmatchcase(k, p) for p in asked)}
+
+
+class Outbox:
+    """`stub` is the hub's Federation stub; `hub_identity()` the hub certificate's {"serial", "fingerprint"} as the
+    silo's own handshake saw it (empty strings in --insecure-dev-only). Call `pin(run_id, terms_sha256)` when the
+    terms of a run are checked; every later record carries them."""
+
+    def __init__(self, stub: Any, audit: AuditLog, policy: BranchPolicy | None, hub_identity: Callable[[], dict]):
+        self.stub = stub
+        self.audit = audit
+        self.policy = policy
+        self.hub_identity = hub_identity
+        self.run_id = ""
+        self.terms_sha256 = ""
+        self.chunk_bytes = CHUNK_BYTES
+
+    def pin(self, run_id: str, terms_sha256: str, chunk_bytes: int = 0) -> None:
+        self.run_id, self.terms_sha256 = run_id, terms_sha256
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        self.audit.append(kind, hub=self.hub_identity(), run=fields.pop("run", self.run_id) or None,
+                          terms_sha256=self.terms_sha256 or None, **fields)
+
+    # ------------------------------------------------------------------ calls without data
+    def join(self, request: silo_pb2.JoinRequest, timeout: float) -> silo_pb2.JoinReply:
+        if self.policy is not None and not self.policy.clear_metrics:
+            # The device and the count of unreadable files are clear facts about the branch that no aggregation
+            # needs; the image counts stay, as the hub bounds a silo's weight by them.
+            request.device, request.skipped_images = "", 0
+        self._record("join", bytes=request.ByteSize(), preparing=request.preparing,
+                     num_unlabeled=request.num_unlabeled, num_labeled=request.num_labeled,
+                     protocol_version=request.protocol_version)
+        return self.stub.Join(request, timeout=timeout)
+
+    def poll(self, request: silo_pb2.NextTaskRequest, timeout: float) -> silo_pb2.Task:
+        self._record("poll", bytes=request.ByteSize(), round=request.last_round_done)
+        return self.stub.NextTask(request, timeout=timeout)
+
+    def download(self, request: silo_pb2.DownloadRequest, round_number: int, timeout: float) -> Iterator[Any]:
+        self._record("download_request", bytes=request.ByteSize(), round=round_number, task=request.task_id)
+        return self.stub.Download(request, timeout=timeout)
+
+    def leave(self, refusal: Refusal) -> None:
+        """Tell the hub why this silo leaves (typed), after recording it. A hub too old to know Leave, or one that
+        cannot be reached, is not waited for: the refusal stands either way."""
+        message = refusal.to_proto()
+        self._record("leave", bytes=message.ByteSize(), round=refusal.round, departure=refusal.kind,
+                     clause=refusal.clause, required=refusal.required, offered=refusal.offered,
+                     message=refusal.message)
+        try:
+            self.stub.Leave(silo_pb2.LeaveRequest(run_id=self.run_id, refusal=message), timeout=30)
+        except Exception as err:  # grpc.RpcError, or a stub without Leave: the silo leaves regardless
+            log.warning("could not tell the hub why this silo leaves (%s); it leaves regardless", err)
+
+    # ------------------------------------------------------------------ calls with data
+    def upload(self, task: silo_pb2.Task, tensors: Mapping[str, torch.Tensor], metrics: Mapping[str, float],
+               skipped: bool, epsilon: dict | None) -> int:
+        """A result in the clear (a skip, or tensors). PolicyStop when the policy forbids it: nothing is sent."""
+        if self.policy is not None and not self.policy.clear_metrics:
+            metrics = {}
+        payload = encode(dict(tensors)) if tensors else b""
+        self._check_size(len(payload), task.round)
+        header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task.task_id, round=task.round,
+                                       total_bytes=len(payload), sha256=sha256_hex(payload), skipped=skipped,
+                                       metrics=dict(metrics))
+        self._record("upload", round=task.round, task=task.task_id, bytes=len(payload) + header.ByteSize(),
+                     sha256=header.sha256, skipped=skipped, metrics=sorted(metrics),
+                     tensors=[[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                              for n, t in sorted(tensors.items())], epsilon=epsilon)
+        self._stream(header, payload)
+        return len(payload)
+
+    def stage(self, task_id: str, round_number: int, stage: str, payload: bytes, epsilon: dict | None,
+              tensors: list | None = None) -> None:
+        """A secure-aggregation stage message (keys, encrypted shares, the masked input, a signature, revealed
+        shares, or an abort with its reason)."""
+        self._check_size(len(payload), round_number)
+        header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task_id, round=round_number,
+                                       total_bytes=len(payload), sha256=sha256_hex(payload), secagg_stage=stage)
+        self._record(f"secagg:{stage}", round=round_number, task=task_id, bytes=len(payload) + header.ByteSize(),
+                     sha256=header.sha256, tensors=tensors, epsilon=epsilon)
+        self._stream(header, payload)
+
+    def _check_size(self, size: int, round_number: int) -> None:
+        refusal = check_upload(self.policy, size, round_number)
+        if refusal is not None:
+            raise PolicyStop(refusal)
+
+    def _stream(self, header: silo_pb2.UploadHeader, payload: bytes) -> None:
+        def messages() -> Iterator[silo_pb2.UploadMessage]:
+            yield silo_pb2.UploadMessage(header=header)
+            for offset, data in iter_chunks(payload, self.chunk_bytes):
+                yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
+
+        self.stub.Upload(messages(), timeout=UPLOAD_TIMEOUT_S)
