@@ -47,6 +47,8 @@ _CN_KEY = "x509_common_name"
 _PEM_KEY = "x509_pem_cert"
 # Call metadata carrying a silo's declared id in --insecure-dev-only mode (and only there).
 DEV_IDENTITY_KEY = "silokit-insecure-dev-silo-id"
+# Trailing metadata of a call the hub refused for its rate: how many milliseconds until the silo may call again.
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class TlsError(Exception):

@@ -40,6 +40,7 @@ from security.terms import (
 )
 from security.terms import as_dict as terms_dict
 from security.tls import (
+    RETRY_AFTER_KEY,
     describe_tls_failure,
     hub_certificate,
     hub_tls_context,
@@ -324,6 +325,24 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
                     f"bundle issued by the hub's CA and that --hub names the host on the hub certificate")
         return f"cannot reach the hub at {hub} ({details[:160]}); check --hub HOST:PORT and that silo-server runs"
     return f"{err.code().name}: {details}"
+
+
+MAX_RETRY_AFTER_S = 60.0  # a hub asking for more is waited for a minute at a time
+
+
+def retry_after_s(err: grpc.RpcError) -> float | None:
+    """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/servicer.py), or None."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except Exception:  # an error raised before any response has no metadata
+        return None
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value) / 1000.0)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def run_here(work: Callable[..., Any], *args: Any) -> Any:
@@ -879,6 +898,12 @@ class SiloClient:
                     # The hub restarted, or our task went stale: re-join and carry on.
                     self.log.info("hub says: %s; joining again", err.details())
                     joined = False
+                    continue
+                wait = retry_after_s(err) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if wait is not None:  # called faster than the hub allows: wait as long as it says, then go on
+                    self.log.warning("the hub asks this silo to slow down (%s); retrying in %.2f s", err.details(),
+                                     wait)
+                    self.stop_event.wait(min(wait, MAX_RETRY_AFTER_S))
                     continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise SiloError(f"the hub refused this silo: {err.details()}; check --certs") from None

@@ -210,6 +210,10 @@ class RoundRecord:
     silos_reported: int | None = None  # reported a result or a skip (and did not abort afterwards)
     silos_skipped: int | None = None  # reported that nothing passed their threshold
     silos_dropped: int | None = None  # sampled but did not report
+    # Sampled silos that had not reported when the round closed, by name (the deadline, or quorum_wait_seconds
+    # after the quorum reported: rounds.wait_after_quorum_s)
+    silos_left_out: tuple[str, ...] = ()
+    quorum_wait_seconds: float | None = None  # how long the round waited past its quorum for the rest
     silos_contributed: int | None = None  # reported an update, not a skip, and stayed in the round
     attempt: int | None = None  # >1 after below-quorum retries
     bytes_up: int | None = None
@@ -266,6 +270,8 @@ class RoundRecord:
             out.update(self.secagg.to_json())
         if self.aggregation is not None:
             out.update(self.aggregation.to_json())
+        if self.silos_left_out:
+            out["silos_left_out"] = list(self.silos_left_out)
         return out
 
     @classmethod
@@ -281,7 +287,7 @@ class RoundRecord:
             dp=DPRound.from_json(d) if d.get("dp_epsilon") is not None else None,
             secagg=SecAggRound.from_json(d) if d.get("secagg_u3") is not None else None,
             aggregation=AggregationRound.from_json(d) if d.get("aggregation_rule") is not None else None,
-            algorithm=algorithm, **plain)
+            silos_left_out=tuple(str(s) for s in d.get("silos_left_out", ())), algorithm=algorithm, **plain)
 
 
 # The record's top-level numbers and their types, as they appear in the flat JSON.
@@ -292,7 +298,8 @@ _SCORES = frozenset(f.name for f in fields(Scores))
 
 def _reserved(key: str) -> bool:
     """Whether a flat JSON key belongs to the record itself rather than to the algorithm's metrics."""
-    return key == "round" or key in _PLAIN or key in _SCORES or key.startswith(("dp_", "secagg_", "aggregation_"))
+    return (key in ("round", "silos_left_out") or key in _PLAIN or key in _SCORES
+            or key.startswith(("dp_", "secagg_", "aggregation_")))
 
 
 def records_from_json(rows: Iterable[Mapping[str, Any]]) -> list[RoundRecord]:

@@ -136,6 +136,7 @@ class HubApp:
             quorum_silos=r.quorum_silos,
             deadline_s=r.deadline_s,
             max_attempts=r.max_attempts,
+            wait_after_quorum_s=r.wait_after_quorum_s,
             liveness_s=r.liveness_s,
             max_upload_bytes=config.wire.max_upload_bytes,
             max_inflight_upload_bytes=config.wire.max_inflight_upload_bytes,

@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="override metrics.port (0 picks a free port)")
     p.add_argument("--check", action="store_true",
                    help="validate the config, data, certificates and CRL, print the plan, exit")
+    p.add_argument("--lift-quarantine", metavar="SILO",
+                   help="let a silo quarantined for breaking the securely aggregated sum be sampled again (the running "
+                        "hub notices at its next round), then exit")
     p.add_argument("--insecure-dev-only", action="store_true",
                    help="DEVELOPMENT ONLY: serve plaintext on 127.0.0.1 without certificates; silos declare their "
                         "id (silo-client --insecure-dev-only --silo-id NAME). Never with real data")
@@ -63,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             config.server.port = args.port
         if args.metrics_port is not None:
             config.metrics.port = args.metrics_port
+        if args.lift_quarantine is not None:
+            from silo_server.breaker import QuarantineList
+
+            if not QuarantineList(config.run.state_dir).lift(args.lift_quarantine):
+                print(f"error: silo {args.lift_quarantine} is not quarantined in {config.run.state_dir}",
+                      file=sys.stderr)
+                return 2
+            print(f"silo {args.lift_quarantine} may be sampled again (the hub notices at its next round)")
+            return 0
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
         from silo_server.checkpoint import BEST_MODEL
         from silo_server.privacy import plan_lines
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          "model.init_from_run)"]:
                 print(line)
             for line in plan_lines(config.privacy, config.security.max_update_norm,
-                                   getattr(config.rounds, "silos_per_round_count", None)):
+                                   getattr(config.rounds, "silos_per_round_count", None), config.rounds.min_silos):
                 print(line)
             from security.terms import describe as describe_terms
             from security.terms import terms_sha256
@@ -88,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"privacy terms stated to every silo (sha256 {terms_sha256(app.hub.terms)[:16]}), pinned for the run:")
             for line in describe_terms(app.hub.terms):
                 print(f"  {line}")
+            quarantined = app.hub.registry.quarantine.entries()
+            for silo, q in sorted(quarantined.items()):
+                print(f"quarantined: {silo} since round {q.round} ({q.reason}); lift with --lift-quarantine {silo}")
             departed = app.departures()
             if departed:
                 print(f"silos that refused or left run {app.hub.run_id[:8]} (the hub's audit):")

@@ -188,6 +188,9 @@ class RoundsSection(StrictConfig):
         None, ge=1, le=MAX_SILOS, description="number of reports needed (instead of the fraction)"
     )
     deadline_s: float = Field(600.0, gt=0, le=DAY_S, description="a round's time limit; late silos are left out")
+    wait_after_quorum_s: float | None = Field(
+        None, gt=0, le=DAY_S, description="once a round's quorum has reported, wait at most this long for the other "
+        "sampled silos, then aggregate without them (default: twice the round's median report time, at least 10 s)")
     max_attempts: int = Field(5, ge=1, le=1000,
                               description="a failed round is retried without end (1 s to 60 s apart); every this "
                               "many failures in a row the hub logs an ERROR")

@@ -26,6 +26,7 @@ from security.terms import FIRST_RELEASE, PROTOCOL_VERSION, protocol_needed
 from silo.v1 import silo_pb2
 from silo_core.algorithms.base import HubAlgorithm, HubState
 from silo_core.rounds import RoundRecord
+from silo_server.breaker import QuarantineList
 from silo_server.intake import TaskIntake, TaskView
 from silo_server.privacy import HubPrivacy, RoundFailed
 from silo_server.registry import CERT_WARN_DAYS, ChangeCondition, Departure, Refusal, SiloRecord, SiloRegistry
@@ -60,6 +61,7 @@ class Hub:
         quorum_silos: int | None = None,
         deadline_s: float = 600.0,
         max_attempts: int = 5,
+        wait_after_quorum_s: float | None = None,
         liveness_s: float = 60.0,
         max_upload_bytes: int = 512 << 20,
         max_inflight_upload_bytes: int = 64 << 20,
@@ -76,14 +78,14 @@ class Hub:
     ):
         # hub.yaml's keywords, grouped by the part that uses them.
         settings = RoundSettings(total_rounds, silos_per_round, silos_per_round_count, min_silos, quorum,
-                                 quorum_silos, deadline_s, max_attempts, seed)
+                                 quorum_silos, deadline_s, max_attempts, seed, wait_after_quorum_s)
         wire = WireLimits(max_upload_bytes, max_inflight_upload_bytes, max_update_norm, half_precision)
         self.total_rounds = total_rounds
         self.privacy = privacy if privacy is not None and privacy.enabled else None
         self.cond = ChangeCondition()
         self.stop_event = threading.Event()
         self.audit = audit
-        self.registry = SiloRegistry(self.cond, liveness_s, audit=audit)
+        self.registry = SiloRegistry(self.cond, liveness_s, audit=audit, quarantine=QuarantineList(state_dir))
         self.records = RunRecords(state_dir, evaluate=evaluate, validate=validate, privacy=self.privacy, audit=audit)
         self.run_id = self.records.run_id
         self.run_description = {**run_description, "run_id": self.run_id, "total_rounds": total_rounds,
@@ -128,11 +130,14 @@ class Hub:
     def refuse(self, silo_id: str | None, code: str, reason: str, message: str) -> Refusal:
         return self.registry.refuse(silo_id, code, reason, message)
 
-    def count_refusal(self, reason: str) -> None:
-        self.registry.count_refusal(reason)
+    def count_refusal(self, reason: str, silo_id: str | None = None) -> None:
+        self.registry.count_refusal(reason, silo_id)
 
     def validate(self, silo_id: str | None, check: Callable[[], Any]) -> Any:
         return self.registry.validate(silo_id, check)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.registry.count(name, n)
 
     def check_session(self, silo_id: str, serial: int | None) -> None:
         self.registry.check_session(silo_id, serial)

@@ -5,6 +5,7 @@ Secure-aggregation stage messages come in here too and are checked by the round'
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,6 +278,7 @@ class TaskIntake:
                     rounds.leave_round(silo_id)
                 if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
                     t.reported.add(silo_id)
+                    t.report_seconds.append(time.time() - t.started)
                     registry.credit(silo_id)
                 t.bytes_up += total
                 self.cond.notify_all()

@@ -27,6 +27,7 @@ in use, or at the algorithm's static value):
     evaluation_seconds                       silokit_hub_evaluation_duration_seconds
     checkpoint_seconds                       silokit_hub_checkpoint_duration_seconds
     silos_sampled/reported/skipped/dropped   silokit_hub_round_silos{state=...}, silokit_hub_silo_dropouts_total
+    silos_left_out                           silokit_hub_silo_left_out_total{silo}
     (Leave) silos' typed refusals          silokit_hub_silo_departures_total{kind, clause}
     aggregation.excluded, .down_weighted     silokit_hub_round_aggregation_silos{decision="excluded"|"down_weighted"}
                                              (the last round's; 0 under the mean), silokit_hub_aggregation_silos_total
@@ -66,7 +67,10 @@ REFUSAL_REASONS = (
     # security/gate.py and security/validation.py
     "not_allowed", "not_silo_certificate", "revoked", "expired", "bad_request", "bad_header", "bad_stream",
     "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized", "old_protocol",
+    # silo_server/servicer.py CallLimits
+    "too_many_calls", "call_rate",
 )
+CALL_METHODS = ("Join", "NextTask", "Download", "Upload", "Leave", "Health")
 # A silo's typed refusals (Leave), by kind and the clause it names (security.terms.CLAUSES, or "other"): a bounded
 # set, exported at zero from the start.
 DEPARTURE_LABELS = tuple((kind, clause) for kind in ("refused", "breach", "budget") for clause in (*CLAUSES, "other"))
@@ -120,6 +124,9 @@ class HubMetrics:
             self.aggregation_silos.labels(decision)
         self.dropouts = Counter(
             "silokit_hub_silo_dropouts", "Sampled silos that did not report before a round closed.", registry=r)
+        self.left_out = Counter(
+            "silokit_hub_silo_left_out", "Rounds a silo was sampled for and left out of: it had not reported when the "
+            "round closed (at its deadline, or rounds.wait_after_quorum_s after its quorum).", ["silo"], registry=r)
         self.progress = Gauge(
             "silokit_hub_last_progress_timestamp_seconds",
             "Unix time the hub last made progress (started, or completed a round).", registry=r)
@@ -148,6 +155,8 @@ class HubMetrics:
             if seconds is not None:
                 histogram.observe(seconds)
         self.dropouts.inc(max(0, record.silos_dropped or 0))
+        for silo in record.silos_left_out:
+            self.left_out.labels(silo).inc()
         if record.aggregation is not None:
             self.aggregation_silos.labels("excluded").inc(record.aggregation.excluded)
             self.aggregation_silos.labels("down_weighted").inc(record.aggregation.down_weighted)
@@ -257,6 +266,26 @@ class _HubStateCollector(Collector):
         for reason in sorted({*REFUSAL_REASONS, *refusals}):
             refused.add_metric([reason], refusals.get(reason, 0))
         yield refused
+        by_silo = CounterMetricFamily(
+            "silokit_hub_silo_refusals", "Requests refused, by silo (a name its certificate carries) and reason: which silo "
+            "floods the hub (call_rate, too_many_calls) or sends what it must not.", labels=["silo", "reason"])
+        for (silo, reason), n in sorted(dict(hub.registry.refusals_by_silo).items()):
+            by_silo.add_metric([silo, reason], n)
+        yield by_silo
+        quarantined = GaugeMetricFamily(
+            "silokit_hub_silo_quarantined", "1 for each silo quarantined for breaking a securely aggregated sum "
+            "(not sampled until `silo-server --lift-quarantine NAME`).", labels=["silo"])
+        for silo in sorted(hub.registry.quarantine.names() if hub.registry.quarantine is not None else ()):
+            quarantined.add_metric([silo], 1.0)
+        yield quarantined
+        yield GaugeMetricFamily("silokit_hub_silos_quarantined", "Silos quarantined for breaking a securely "
+                                "aggregated sum.", value=len(hub.registry.quarantine.names())
+                                if hub.registry.quarantine is not None else 0)
+        calls = CounterMetricFamily("silokit_hub_calls", "Calls the hub admitted (past the gate and the per-silo "
+                                    "limits), by method.", labels=["method"])
+        for method in CALL_METHODS:
+            calls.add_metric([method], counters.get(f"calls:{method}", 0))
+        yield calls
         departed = CounterMetricFamily(
             "silokit_hub_silo_departures", "Silos that refused the run's privacy terms or left the run (Leave), by "
             "kind (refused at join, breach of the pinned terms, budget spent) and the policy clause they named.",

@@ -53,12 +53,21 @@ from silo_core.tensors import TensorSpec
 log = logging.getLogger("silo_server")
 
 __all__ = ["BudgetExhausted", "HubPrivacy", "PrivacySection", "PrivateSums", "RoundAbandoned", "RoundFailed",
-           "RoundHooks", "RoundPrivacy"]
+           "RoundHooks", "RoundPrivacy", "SumRefused"]
 
 
 class RoundFailed(Exception):
     """A round attempt that cannot be applied (below quorum, secure aggregation abandoned, an aggregate that breaks
     the bounds): the hub logs the message as the cause and retries the round."""
+
+class SumRefused(RoundFailed):
+    """A securely aggregated sum that fails its check: one of `contributors` sent what no honest silo could
+    (silo_server/breaker.py looks for it)."""
+
+    def __init__(self, message: str, contributors: list[str]):
+        super().__init__(message)
+        self.contributors = list(contributors)
+
 
 STAGE_UPLOADS = ("advertise_keys", "share_keys", "masked_input", "consistency", "unmask", "abort")
 
@@ -119,6 +128,7 @@ class PrivateSums:
     metrics: dict[str, float]
     dp: DPRound | None = None
     secagg: SecAggRound | None = None
+    contributors: list[str] = field(default_factory=list)  # whose inputs the secure sum holds (U3)
 
 
 @dataclass
@@ -294,8 +304,8 @@ class HubPrivacy:
             except RoundAbandoned as err:
                 raise RoundFailed(str(err)) from None
             summed = dict(result.sums)
-            contributors = len(result.contributors)
-            self._check_sum(task, summed, result.contributors, hooks)
+            names, contributors = list(result.contributors), len(result.contributors)
+            self._check_sum(task, summed, names, hooks)
             metrics: dict[str, float] = {}
             secagg = SecAggRound(**result.stats, stage_seconds=stage_seconds)
             if result.suspects:
@@ -306,6 +316,7 @@ class HubPrivacy:
                 raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos reported, below "
                                   f"quorum {need}")
             summed, metrics, contributors = task.sums.result(), dict(task.sums.metrics), task.sums.contributors
+            names = []
         if self.dp is not None:
             if contributors < 1:
                 summed.pop(UNCLIPPED, None)
@@ -315,7 +326,7 @@ class HubPrivacy:
                 log.info("round %d: privacy spent epsilon = %.4f at delta = %g (noise multiplier %.3f, sampling "
                          "rate %.3f, %d rounds charged)", task.round, dp.epsilon, dp.delta, dp.noise_multiplier,
                          dp.sample_rate, self.dp.rounds)
-        return PrivateSums(summed, metrics, dp, secagg)
+        return PrivateSums(summed, metrics, dp, secagg, contributors=names)
 
     def _check_sum(self, task: Any, summed: dict[str, torch.Tensor], contributors: list[str],
                    hooks: RoundHooks) -> None:
@@ -339,7 +350,8 @@ class HubPrivacy:
                                        max_weight_sum=max_weight_sum, max_update_norm=bound, tolerance=tolerance)
         except validation.Invalid as err:
             hooks.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
-            raise RoundFailed(f"the securely aggregated sum was refused: {err.message}") from None
+            raise SumRefused(f"the securely aggregated sum of {n} silos was refused: {err.message}",
+                             contributors) from None
 
     def _drive(self, task: Any, hooks: RoundHooks) -> tuple[Any, dict[str, float]]:
         """Close advertise_keys, then run share_keys, masked_input, consistency and unmask, each until every silo
@@ -394,7 +406,8 @@ class HubPrivacy:
         return out
 
 
-def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: int | None = None) -> list[str]:
+def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: int | None = None,
+               min_silos: int = 1) -> list[str]:
     """What `silo-server --check` says about privacy and the bounds it can enforce: the secure-aggregation plan
     (how many silos a round samples, k, t, and the dropouts it survives) and, in one line, any per-silo bound the
     hub cannot enforce with these settings."""
@@ -419,6 +432,12 @@ def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: 
         else:
             lines.append("bound not enforced per silo: without security.max_update_norm a silo's masked update is "
                          "bounded only by the quantization range; the summed weight is still checked")
+        smallest = max(fewest, sa.min_cohort)
+        if min_silos <= smallest:
+            lines.append(f"no spare silos: rounds.min_silos ({min_silos}) is not above the {smallest} silos every round "
+                         f"needs, so a silo that breaks the secure sum (a weight no honest silo could send) can be "
+                         f"found and quarantined only while more than {smallest} are connected; otherwise every "
+                         f"round it is in fails")
     if dp.enabled:
         lines.append(f"differential privacy: noise multiplier {dp.noise_multiplier:g}, clip {dp.clip_norm:g}, "
                      f"delta {dp.delta:g}, epsilon budget {dp.epsilon_budget if dp.epsilon_budget else 'none'}")

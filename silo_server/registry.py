@@ -16,10 +16,34 @@ from typing import Any
 
 from security import validation
 from security.audit import AuditLog
+from silo_server.breaker import Quarantine, QuarantineList
 
 log = logging.getLogger("silo_server")
 
 CERT_WARN_DAYS = 14.0  # certificates closer to expiry than this are logged as warnings
+
+
+class BurstLog:
+    """One WARNING per key (a silo and a refusal reason) per `every_s` at most, saying how many events it stands
+    for: a peer that repeats a refused call cannot fill the hub's log. Every refusal path of the hub logs through
+    one of these: the gate's, the call limits', the hub core's."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+        self._last: dict[Any, float] = {}
+        self._unreported: dict[Any, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, key: Any, message: Callable[[int], str]) -> None:
+        """Count one event; log `message(n)` (n: events since the key's last line, this one included) when due."""
+        with self._lock:
+            self._unreported[key] = self._unreported.get(key, 0) + 1
+            now = time.monotonic()
+            if now - self._last.get(key, -1e18) < self.every_s:
+                return
+            self._last[key] = now
+            count = self._unreported.pop(key)
+        log.warning("%s", message(count))
 
 
 class Refusal(Exception):
@@ -91,12 +115,17 @@ class Departure:
 
 
 class SiloRegistry:
-    def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0, audit: AuditLog | None = None):
+    def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0, audit: AuditLog | None = None,
+                 quarantine: QuarantineList | None = None):
         self.cond = cond
+        # Silos that broke a securely aggregated sum (silo_server/breaker.py): never sampled until lifted.
+        self.quarantine = quarantine
         self.liveness_s = liveness_s
         self.audit = audit  # the hub's hash-chained record of joins, departures and refusals (None: not kept)
         self.silos: dict[str, SiloRecord] = {}
         self.refusals: dict[str, int] = {}
+        self.refusals_by_silo: dict[tuple[str, str], int] = {}  # (silo, reason) -> count: who is refused, and why
+        self.burst = BurstLog(60.0)
         # Silos' own refusals of the run, by (kind, clause): silokit_hub_silo_departures_total in /metrics.
         self.departures: dict[tuple[str, str], int] = {}
         self._audited_refusals: dict[tuple[str, str], tuple[float, int]] = {}
@@ -113,8 +142,10 @@ class SiloRegistry:
         # Messages may quote what a silo sent: escaped and cut, so no peer can write a line of its own into the log
         # or into the status it gets back.
         message = validation.printable(message, 300)
-        self.count_refusal(reason)
-        log.warning("refused %s from %s: %s", reason, validation.printable(silo_id or "?", 140), message)
+        self.count_refusal(reason, silo_id)
+        who = validation.printable(silo_id or "?", 140)
+        self.burst.warn((who, reason), lambda n: f"refused {reason} from {who}: {message}" + (
+            f" ({n} such refusals since the last line; the next minute's are counted, not logged)" if n > 1 else ""))
         self.audit_refusal(silo_id, reason, message)
         return Refusal(code, reason, message)
 
@@ -133,10 +164,13 @@ class SiloRegistry:
             self._audited_refusals[key] = (now, 0)
         self.audit.append("refusal", silo=validation.printable(silo_id or "?", 140), reason=reason, count=count,
                           message=message)
-    def count_refusal(self, reason: str) -> None:
-        """Count a refusal whose logging the caller does itself (e.g. once per burst, not once per call)."""
+    def count_refusal(self, reason: str, silo_id: str | None = None) -> None:
+        """Count a refusal whose logging the caller does itself (through `burst`), by reason and by silo."""
         with self.cond:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
+            if silo_id is not None:  # a name from a certificate the CA issued: a label set the CA bounds
+                key = (silo_id, reason)
+                self.refusals_by_silo[key] = self.refusals_by_silo.get(key, 0) + 1
 
     def count(self, name: str, n: int = 1) -> None:
         with self.cond:
@@ -192,9 +226,11 @@ class SiloRegistry:
                       record.ready, record.left, record.protocol_version, record.connection, self.is_live(record))
             if serial is not None and record.serial is not None and record.serial != serial:
                 if self.is_live(record):
-                    log.warning("a second certificate for silo %s (serial %x) tried to join while the session of "
-                                "serial %x is live: refused; if both are yours, revoke one (`silo-certs issue-silo %s "
-                                "--replace` or `silo-certs revoke`)", silo_id, serial, record.serial, silo_id)
+                    old = record.serial
+                    self.burst.warn((silo_id, "second_certificate_join"), lambda n: (
+                        f"a second certificate for silo {silo_id} (serial {serial:x}) tried to join while the session "
+                        f"of serial {old:x} is live: refused ({n} such tries since the last line); if both are "
+                        f"yours, revoke one (`silo-certs issue-silo {silo_id} --replace` or `silo-certs revoke`)"))
                     self.count("second_certificate")
                     raise self.refuse(silo_id, "ALREADY_EXISTS", "second_certificate",
                                       f"silo {silo_id} already has a live session under another certificate; "
@@ -260,6 +296,21 @@ class SiloRegistry:
         log.warning("silo %s %s (%s): %s", silo_id, words, departure.clause, departure.message)
         return True
 
+    def quarantine_silo(self, entry: Quarantine) -> None:
+        """Keep a silo that broke a securely aggregated sum out of the run until the operator lifts it."""
+        if self.quarantine is None:
+            return
+        self.quarantine.add(entry)
+        self.count("quarantined")
+        log.warning("silo %s is quarantined: %s (round %d). It is not sampled again until you lift it: `silo-server "
+                    "--config hub.yaml --lift-quarantine %s`; revoke its certificate if it is hostile", entry.silo,
+                    entry.reason, entry.round, entry.silo)
+        if self.audit is not None:
+            self.audit.append("quarantine", silo=entry.silo, round=entry.round, attempts=entry.attempts,
+                              reason=entry.reason)
+        with self.cond:
+            self.cond.notify_all(wake_polls=False)
+
     def departed(self) -> dict[str, Departure]:
         """The silos that left the run and why (for --check, the model card and the metrics)."""
         with self.cond:
@@ -319,8 +370,10 @@ class SiloRegistry:
         return sum(1 for r in self.silos.values() if r.dropped and self.is_live(r))
 
     def _heard_from(self, ready: bool) -> list[str]:
+        kept_out = self.quarantine.names() if self.quarantine is not None else set()
         return sorted(s for s, r in self.silos.items()
-                      if r.ready == ready and not r.dropped and r.left is None and self.is_live(r))
+                      if r.ready == ready and not r.dropped and r.left is None and s not in kept_out
+                      and self.is_live(r))
 
     def is_live(self, record: SiloRecord) -> bool:
         """Waiting in a long-poll right now, or heard from within liveness_s (a revoked silo never is)."""

@@ -8,7 +8,9 @@ import itertools
 import json
 import logging
 import math
+import random
 import resource
+import statistics
 import threading
 import time
 import uuid
@@ -21,7 +23,8 @@ from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.rounds import AggregationRound, RoundRecord, Sampling
 from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.aggregate import RunningSum
-from silo_server.privacy import BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed, RoundHooks
+from silo_server.breaker import BreakerHunt, Quarantine, now_iso
+from silo_server.privacy import BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed, RoundHooks, SumRefused
 from silo_server.registry import SiloRegistry
 from silo_server.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
 from silo_server.scoring import RunRecords, short
@@ -56,6 +59,8 @@ class ActiveTask:
     expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
     started: float = field(default_factory=time.time)
     reported: set[str] = field(default_factory=set)
+    report_seconds: list[float] = field(default_factory=list)  # seconds from the round's opening to each report
+    quorum_wait: float | None = None  # set when the round closed this long after its quorum, without the rest
     skipped: set[str] = field(default_factory=set)
     downloaded: set[str] = field(default_factory=set)
     sums: RunningSum = field(default_factory=RunningSum)
@@ -127,6 +132,9 @@ class Transport(Protocol):
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None: ...
 
 
+QUORUM_WAIT_FLOOR_S = 10.0  # the least a round waits for the rest after its quorum (rounds.wait_after_quorum_s)
+
+
 class SiloCalls:
     """The deployed hub's transport: silos fetch the open task, download and upload through gRPC calls
     (silo_server/intake.py), which hand their results in; the loop only waits for them."""
@@ -134,11 +142,24 @@ class SiloCalls:
     silos_can_change = True
 
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
+        """Until every sampled silo reported or is known gone (revoked, aborted), or the deadline; and once the
+        round's quorum has reported, no longer than loop.wait_after_quorum(task) more: a silo that stays silent
+        (or whose result was refused) cannot hold every round it is sampled in to the deadline."""
+        need = loop.round_quorum(task)
+        quorum_at = None
         with loop.cond:
-            # Until every sampled silo reported or is known gone (revoked, aborted), or the deadline.
             while not task.sampled <= task.reported | task.gone and time.time() < task.deadline:
                 if loop.stop_event.is_set():
                     raise InterruptedError("hub stopping")
+                now = time.time()
+                if quorum_at is None and len(task.reported - task.gone) >= need:
+                    quorum_at = now
+                if quorum_at is not None and now - quorum_at >= loop.wait_after_quorum(task):
+                    task.quorum_wait = now - quorum_at
+                    missing = sorted(task.sampled - task.reported - task.gone)
+                    log.info("round %d: quorum %d reported %.1f s ago; closing without %s", task.round, need,
+                             task.quorum_wait, ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
+                    break
                 loop.cond.wait(timeout=0.5)
                 loop.check_revocations()
 
@@ -178,6 +199,10 @@ class RoundLoop:
         # sampled silos (security.max_weight_factor).
         self.max_weight_factor = 4.0
         self.rss_meter = RssMeter()
+        # The search for a silo that breaks the secure sum (silo_server/breaker.py), and whether the hub has said
+        # it cannot search (no spare silos).
+        self.hunt = BreakerHunt()
+        self.said_no_spare = False
         self.task: ActiveTask | None = None
         self.phase = "starting"
         self.round = 0
@@ -195,6 +220,19 @@ class RoundLoop:
             return min(sampled, self.settings.quorum_silos)
         # Rounded before the ceiling: 0.55 * 100 is 55.00000000000001, which must need 55 reports, not 56.
         return max(1, math.ceil(round(self.settings.quorum * sampled, 9)))
+
+    def round_quorum(self, task: ActiveTask) -> int:
+        """The reports a round needs: its quorum, and under secure aggregation at least the run's pinned cohort."""
+        need = self.quorum_count(len(task.sampled))
+        return max(need, task.privacy.min_contributors) if task.privacy is not None else need
+
+    def wait_after_quorum(self, task: ActiveTask) -> float:
+        """How long a round waits for the rest once its quorum reported: rounds.wait_after_quorum_s, or by default
+        twice the median time the round's silos took to report, and at least QUORUM_WAIT_FLOOR_S."""
+        if self.settings.wait_after_quorum_s is not None:
+            return self.settings.wait_after_quorum_s
+        median = statistics.median(task.report_seconds) if task.report_seconds else 0.0
+        return max(QUORUM_WAIT_FLOOR_S, 2.0 * median)
 
     def fewest_sampled(self) -> int:
         return self.privacy.fewest_sampled() if self.privacy is not None else 1
@@ -239,6 +277,7 @@ class RoundLoop:
         else:
             task.sums.add(tensors, metrics)
         task.reported.add(silo_id)
+        task.report_seconds.append(time.time() - task.started)
         if skipped:
             task.skipped.add(silo_id)
         else:
@@ -335,6 +374,8 @@ class RoundLoop:
                 raise InterruptedError("hub stopping")
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
             sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
+            if self.hunt.active:  # a sum failed its check: this cohort holds only part of the suspects
+                sampled = self._breaker_cohort(live, sampled, r, attempt)
             task = ActiveTask(
                 round=r, attempt=attempt,
                 task_id=f"{self.records.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
@@ -385,6 +426,8 @@ class RoundLoop:
                 aggregation_seconds = time.time() - aggregation_started
             except RoundFailed as failed:
                 failure = str(failed)
+                if isinstance(failed, SumRefused):
+                    self._sum_refused(task, failed.contributors)
             finally:
                 if task.updates is not None:  # the round's update files go once it is applied or failed
                     task.updates.delete()
@@ -392,6 +435,10 @@ class RoundLoop:
                 self._round_failed(task, failure)
                 continue
             self._mark_dropped(task)
+            if private is not None and private.contributors and self.hunt.active:
+                breaker = self.hunt.passed(private.contributors)  # a sum that passed: its silos are not the breaker
+                if breaker is not None:
+                    self._quarantine(breaker, task.round)
             return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private, decision)
         raise AssertionError("unreachable")
 
@@ -409,6 +456,42 @@ class RoundLoop:
                         "updates", task.round, decision.rule, decision.excluded, ", ".join(decision.excluded_silos),
                         decision.down_weighted, ", ".join(decision.down_weighted_silos), decision.updates)
         return sums, decision
+
+    def _breaker_cohort(self, live: list[str], sampled: set[str], r: int, attempt: int) -> set[str]:
+        """A cohort of the fewest silos a round may have, holding about half of the live suspects
+        (silo_server/breaker.py); the usual sample when no such cohort exists (no spare silos)."""
+        size = self.fewest_sampled()  # the smallest legal cohort splits the suspects fastest
+        rng = random.Random(self.settings.seed * 1_000_003 + r * 101 + attempt + 7)
+        cohort = self.hunt.cohort(live, size, rng) if size < len(live) else None
+        if cohort is None:
+            if not self.said_no_spare:
+                self.said_no_spare = True
+                log.error("round %d: a silo keeps breaking the securely aggregated sum, and with %d live silos and "
+                          "rounds of at least %d none can be left out to find it (no spare silos): the round keeps "
+                          "failing until more silos connect or the breaker is revoked (suspects: %s)", r, len(live),
+                          self.fewest_sampled(), ", ".join(sorted(self.hunt.suspects)[:10]))
+            return sampled
+        log.info("round %d attempt %d: looking for the silo that breaks the secure sum: %d suspects, this cohort of "
+                 "%d holds %d of them", r, attempt, len(self.hunt.suspects), len(cohort),
+                 len(set(cohort) & self.hunt.suspects))
+        return set(cohort)
+
+    def _sum_refused(self, task: ActiveTask, contributors: list[str]) -> None:
+        """A cohort's secure sum failed its check: narrow the suspects; quarantine the breaker once it is found."""
+        breaker = self.hunt.failed(contributors)
+        if breaker is None:
+            log.warning("round %d attempt %d: the secure sum failed its check; %d suspects left (%s)", task.round,
+                        task.attempt, len(self.hunt.suspects), ", ".join(sorted(self.hunt.suspects)[:10]))
+            return
+        self._quarantine(breaker, task.round)
+
+    def _quarantine(self, breaker: str, round_number: int) -> None:
+        attempts = self.hunt.failed_attempts
+        self.hunt = BreakerHunt()
+        self.registry.quarantine_silo(Quarantine(
+            silo=breaker, round=round_number, attempts=attempts, at=now_iso(),
+            reason=f"in every cohort whose securely aggregated sum failed its check ({attempts} failed attempts) and "
+                   f"in none whose sum passed"))
 
     def _mark_dropped(self, task: ActiveTask) -> None:
         """Sampled silos that did not report are not sampled again until they poll again."""
@@ -480,7 +563,9 @@ def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
     reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
     sums = task.sums
     return replace(
-        record, silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
+        record, silos_left_out=tuple(sorted(task.sampled - (task.reported - task.gone))),
+        quorum_wait_seconds=task.quorum_wait,
+        silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
         silos_dropped=len(task.sampled) - reporters, silos_contributed=len(task.reported - task.gone - task.skipped),
         attempt=task.attempt, bytes_up=task.bytes_up,
         bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),

@@ -16,9 +16,11 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,10 +30,11 @@ from grpc_health.v1._async import HealthServicer
 from security import validation
 from security.gate import AccessDenied, Peer, PeerGate
 from security.terms import CLAUSES
-from security.tls import peer_certificate
+from security.tls import RETRY_AFTER_KEY, peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Departure, Hub, Refusal
+from silo_server.registry import BurstLog
 
 log = logging.getLogger("silo_server")
 
@@ -81,59 +84,76 @@ def departure_of(refusal: silo_pb2.PolicyRefusal) -> Departure:
                      message=validation.printable(refusal.message, 400), round=max(0, int(refusal.round)))
 
 
-class BurstLog:
-    """One WARNING per key (a silo, a refusal reason) per `every_s` at most, saying how many events it stands for:
-    a peer that repeats a refused call cannot fill the hub's log."""
+@dataclass(frozen=True)
+class Rate:
+    """A token bucket: `per_second` calls on average, up to `burst` at once."""
 
-    def __init__(self, every_s: float = 60.0):
-        self.every_s = every_s
-        self._last: dict[Any, float] = {}
-        self._unreported: dict[Any, int] = {}
-        self._lock = threading.Lock()
+    per_second: float
+    burst: float
 
-    def warn(self, key: Any, message: Callable[[int], str]) -> None:
-        """Count one event; log `message(n)` (n: events since the key's last line, this one included) when due."""
-        with self._lock:
-            self._unreported[key] = self._unreported.get(key, 0) + 1
-            now = time.monotonic()
-            if now - self._last.get(key, -1e18) < self.every_s:
-                return
-            self._last[key] = now
-            count = self._unreported.pop(key)
-        log.warning("%s", message(count))
+
+# Calls one silo may start per second, by method. An honest silo needs far fewer (bench/README.md, "What an honest
+# silo asks of the hub": at most 2 Joins, 6 NextTasks, 1 Download and 5 Uploads a round, seconds apart); a silo
+# past its rate is refused with RESOURCE_EXHAUSTED and told when to retry (silo-client waits that long).
+CALL_RATES = {"Join": Rate(1.0, 10.0), "NextTask": Rate(5.0, 20.0), "Download": Rate(2.0, 10.0),
+              "Upload": Rate(5.0, 20.0), "Leave": Rate(0.2, 3.0), "Health": Rate(2.0, 10.0)}
 
 
 class CallLimits:
-    """Calls in flight per silo, capped per method and in all. Excess calls are refused at once (the caller
-    learns RESOURCE_EXHAUSTED and backs off), counted per silo, and logged once per burst: at most one WARNING a
-    silo per `warn_every_s`, with the count refused since the last one."""
+    """Calls per silo: in flight, capped per method and in all, and started per second, a token bucket per method.
+    Excess calls are refused at once (the caller learns RESOURCE_EXHAUSTED and, for a rate, when to retry),
+    counted per silo, and logged through the hub's burst log: one WARNING a silo and reason per `warn_every_s`,
+    with the count refused since the last one."""
 
     def __init__(self, per_method: dict[str, int] | None = None, per_silo: int = MAX_CALLS_PER_SILO,
-                 warn_every_s: float = 60.0):
+                 warn_every_s: float = 60.0, rates: dict[str, Rate] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.per_method = dict(CALLS_PER_SILO if per_method is None else per_method)
         self.per_silo = per_silo
         self.warn_every_s = warn_every_s
+        self.rates = dict(CALL_RATES if rates is None else rates)
+        self.clock = clock
         self.in_flight: dict[str, dict[str, int]] = {}
+        self.tokens: dict[tuple[str, str], tuple[float, float]] = {}  # (silo, method) -> (tokens, at)
         self.refused: dict[str, int] = {}  # silo -> calls refused since the hub started
-        self._burst = BurstLog(warn_every_s)
+        self.burst = BurstLog(warn_every_s)
         self._lock = threading.Lock()
 
-    def acquire(self, silo_id: str, method: str) -> str | None:
-        """Take a slot; None if granted, else the reason it is not."""
+    def acquire(self, silo_id: str, method: str) -> Refused | None:
+        """Take a slot; None if granted, else why not (and, for a rate, how long until a token is free)."""
         with self._lock:
             calls = self.in_flight.setdefault(silo_id, {})
+            retry_after = 0.0
             if calls.get(method, 0) >= self.per_method.get(method, 1):
-                reason = f"{method}: {self.per_method.get(method, 1)} at a time per silo"
+                reason, text = "too_many_calls", f"{method}: {self.per_method.get(method, 1)} at a time per silo"
             elif sum(calls.values()) >= self.per_silo:
-                reason = f"{self.per_silo} calls at a time per silo"
+                reason, text = "too_many_calls", f"{self.per_silo} calls at a time per silo"
+            elif (retry_after := self._take_token(silo_id, method)) > 0:
+                rate = self.rates[method]
+                reason, text = "call_rate", f"{method}: {rate.per_second:g} a second per silo, {rate.burst:g} at once"
             else:
                 calls[method] = calls.get(method, 0) + 1
                 return None
             self.refused[silo_id] = self.refused.get(silo_id, 0) + 1
-        self._burst.warn(silo_id, lambda n: (
-            f"silo {silo_id} has more calls open than allowed ({reason}): {n} refused since the last warning; "
-            f"further refusals in the next {self.warn_every_s:.0f} s are counted, not logged"))
-        return reason
+        what = "has more calls open than allowed" if reason == "too_many_calls" else "calls faster than allowed"
+        self.burst.warn((silo_id, reason), lambda n: (
+            f"silo {silo_id} {what} ({text}): {n} refused since the last warning; further refusals in the "
+            f"next {self.warn_every_s:.0f} s are counted, not logged"))
+        return Refused(reason, text, retry_after)
+
+    def _take_token(self, silo_id: str, method: str) -> float:
+        """0 when the bucket had a token (one is taken), else the seconds until it will (call under the lock)."""
+        rate = self.rates.get(method)
+        if rate is None:
+            return 0.0
+        now = self.clock()
+        tokens, at = self.tokens.get((silo_id, method), (rate.burst, now))
+        tokens = min(rate.burst, tokens + (now - at) * rate.per_second)
+        if tokens >= 1.0:
+            self.tokens[(silo_id, method)] = (tokens - 1.0, now)
+            return 0.0
+        self.tokens[(silo_id, method)] = (tokens, now)
+        return (1.0 - tokens) / rate.per_second
 
     def release(self, silo_id: str, method: str) -> None:
         with self._lock:
@@ -141,6 +161,13 @@ class CallLimits:
             calls[method] = max(0, calls.get(method, 0) - 1)
             if not any(calls.values()):
                 self.in_flight.pop(silo_id, None)
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str  # too_many_calls or call_rate
+    text: str
+    retry_after_s: float = 0.0
 
 
 class _Slot:
@@ -160,10 +187,16 @@ class _Slot:
                 await s._abort(self.context, r)
         refused = s.limits.acquire(peer.silo_id, self.method)
         if refused is not None:
-            s.hub.count_refusal("too_many_calls")
+            s.hub.count_refusal(refused.reason, peer.silo_id)
+            if refused.reason == "call_rate":
+                self.context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(refused.retry_after_s * 1000))),))
+                await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"silo {peer.silo_id} calls faster than allowed ({refused.text}); retry in "
+                                         f"{refused.retry_after_s:.2f} s")
             await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"too many calls open from silo {peer.silo_id} ({refused}); wait for the open "
-                                     "one to finish")
+                                     f"too many calls open from silo {peer.silo_id} ({refused.text}); wait for the "
+                                     "open one to finish")
+        s.hub.count(f"calls:{self.method}")  # what silos ask of the hub, by call (silokit_hub_calls_total)
         self.peer = peer
         return peer
 
@@ -182,7 +215,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         self.gate = gate or PeerGate()
         self.on_join = on_join  # (silo id, its verified certificate PEM): e.g. metrics of certificate expiry
         self.limits = limits or CallLimits()
-        self.denials = BurstLog(self.limits.warn_every_s)  # refusals at the gate, logged once per burst
+        self.limits.burst = hub.registry.burst  # one burst log for every refusal path: the gate's, the limits', the hub's
         self.header_timeout_s = header_timeout_s
         self.stream_idle_s = stream_idle_s
         self.pool = pool  # blocking hub calls run here (None: the loop's default executor)
@@ -214,8 +247,8 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             # Counted every time, logged once a minute per peer and reason: a revoked silo that keeps calling
             # cannot fill the log.
             reason, text = denied.reason, validation.printable(denied.message, 300)
-            self.hub.count_refusal(reason)
-            self.denials.warn((who, reason), lambda n: (
+            self.hub.count_refusal(reason, denied.silo_id)
+            self.hub.registry.burst.warn((who, reason), lambda n: (
                 f"refused {reason} from {who}: {text}" + (f" ({n} such calls since the last line)" if n > 1 else "")))
             await context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
         if peer.not_after is not None:

@@ -24,6 +24,7 @@ class RoundSettings:
     deadline_s: float = 600.0
     max_attempts: int = 5
     seed: int = 0
+    wait_after_quorum_s: float | None = None  # None: twice the round's median report time, at least 10 s
 
 
 @dataclass(frozen=True)

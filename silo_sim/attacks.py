@@ -14,6 +14,9 @@ passes every validation of the wire and moves the mean as far as its deltas can.
   noise, about the size of small_cnn's weights themselves (the Gaussian attack of Fang et al. 2020 and Cao et al.
   2021, who use a far larger deviation). The noise is drawn from a generator seeded by the silo's name and the
   round, so a run is reproducible whatever order silos train in.
+- ``weight``: every weight tensor becomes -scale x itself (30 by default), deltas untouched: a weight no honest silo
+  could send. In the clear the hub refuses the upload; under secure aggregation it makes the round's sum fail its
+  check, which is how silo_server/breaker.py's search for the breaker is tested.
 
 A real silo never poisons: silo-client has no flag for this; silo-sim's `--attackers K --attack KIND` sets it on
 its first K simulated silos (silo_client.client.SiloSettings.sim_attack), and the in-process benchmark wraps its
@@ -31,9 +34,10 @@ import torch
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData, SiloResult
 from silo_core.tensors import TensorSpec
 
-AttackKind = Literal["sign_flip", "noise"]
+AttackKind = Literal["sign_flip", "noise", "weight"]
 ATTACKS: tuple[str, ...] = get_args(AttackKind)
-DEFAULT_SCALES: dict[str, float] = {"sign_flip": 10.0, "noise": 1.0}  # the factor; the noise's deviation
+POISONING: tuple[str, ...] = ("sign_flip", "noise")  # well-formed updates that pass every check: robust rules' job
+DEFAULT_SCALES: dict[str, float] = {"sign_flip": 10.0, "noise": 1.0, "weight": 30.0}  # factor; the noise's deviation
 
 
 def check_attack(kind: str, where: str = "attack") -> AttackKind:
@@ -61,14 +65,16 @@ def group_weight(tensors: Mapping[str, torch.Tensor], delta_name: str) -> float:
 
 def poison(tensors: Mapping[str, torch.Tensor], kind: AttackKind, seed: int,
            scale: float | None = None) -> dict[str, torch.Tensor]:
-    """``tensors`` with every delta rewritten by the attack ``kind`` (``scale``: its factor or deviation, default
-    DEFAULT_SCALES); weights and anything else as they were."""
+    """``tensors`` with every delta (every weight, for ``weight``) rewritten by the attack ``kind`` (``scale``: its
+    factor or deviation, default DEFAULT_SCALES); the rest as it was."""
     scale = DEFAULT_SCALES[kind] if scale is None else scale
     generator = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(tensors):  # a fixed order, so the noise each tensor gets does not depend on dict order
         value = tensors[name]
-        if not is_delta(name) or not value.is_floating_point():
+        if kind == "weight":
+            out[name] = value * -scale if name.split("/")[-1] == "weight" else value
+        elif not is_delta(name) or not value.is_floating_point():
             out[name] = value
         elif kind == "sign_flip":
             out[name] = value * -scale

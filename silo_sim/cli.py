@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hub.yaml aggregation.rule (default 0; see --attack)")
     p.add_argument("--attack", default="sign_flip", metavar="KIND",
                    help="with --attackers: sign_flip sends -10 x the honest model change, noise a Gaussian model "
-                        "change of deviation 1 per weight (silo_sim/attacks.py; default sign_flip)")
+                        "change of deviation 1 per weight, weight a weight of -30 x its own (refused in the clear; "
+                        "under secure aggregation the hub finds and quarantines it) (silo_sim/attacks.py; default "
+                        "sign_flip)")
     p.add_argument("--silo-policy", action="append", default=[], metavar="[N=]FILE",
                    help="a branch privacy policy (branch-policy.yaml, as silo-client --policy) for every silo, or "
                         "with N= for silo N only (1-based; repeatable, the specific one wins): the silo refuses a run "

@@ -162,7 +162,7 @@ def test_under_secure_aggregation_the_hub_refuses_a_sum_no_honest_silos_could_se
     runner.join(10)
     assert hub.history == [] and hub.refusals.get("bad_aggregate") == 1
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
-    assert "securely aggregated sum was refused" in failure and words in failure
+    assert "securely aggregated sum of 5 silos was refused" in failure and words in failure
 
 
 def test_honest_silos_under_secure_aggregation_pass_the_sum_checks(tmp_path):

@@ -5,6 +5,7 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.models import ModelSpec
-from silo_core.rounds import Scores, records_from_json
+from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.checkpoint import load_latest
 from silo_server.hub import Hub, Refusal
@@ -352,3 +353,35 @@ def test_a_join_that_changes_nothing_is_neither_logged_nor_audited_but_a_new_con
     joined = [r.message for r in caplog.records if r.message.startswith("silo a joined")]
     assert len(joined) == 3
     assert [r["num_unlabeled"] for _, r in read_records(audit.path) if r["kind"] == "join"] == [10, 9, 9]
+
+
+def test_once_the_quorum_reported_a_silent_or_refused_silo_holds_the_round_only_briefly(tmp_path):
+    hub = make_hub(tmp_path, min_silos=3, quorum=0.5, deadline_s=600.0, wait_after_quorum_s=1.0)
+    for s in ("a", "b", "c"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    tasks = {s: wait_task(hub, s) for s in ("a", "b", "c")}
+    started = time.time()
+    upload(hub, "a", tasks["a"], result(1.0))
+    upload(hub, "b", tasks["b"], result(3.0))
+    with pytest.raises(Refusal) as refused:  # c's result is refused (not finite), then it is silent
+        upload(hub, "c", tasks["c"], {"delta/x": torch.full((3,), float("nan")), "weight": torch.tensor([1.0])})
+    assert refused.value.reason == "non_finite"
+    thread.join(30)
+    waited = time.time() - started
+    assert not thread.is_alive() and 1.0 <= waited < 10  # 1 s past the quorum, not the 600 s deadline
+    record = hub.history[-1]
+    assert record.silos_left_out == ("c",) and 0.9 <= record.quorum_wait_seconds < 5
+    assert (record.silos_sampled, record.silos_reported, record.silos_dropped) == (3, 2, 1)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
+    assert RoundRecord.from_json(record.to_json()).silos_left_out == ("c",)
+
+
+def test_by_default_the_round_waits_twice_its_median_report_time_and_at_least_ten_seconds(tmp_path):
+    from silo_server.round_loop import QUORUM_WAIT_FLOOR_S
+
+    hub = make_hub(tmp_path)
+    assert hub.rounds.wait_after_quorum(SimpleNamespace(report_seconds=[])) == QUORUM_WAIT_FLOOR_S == 10.0
+    assert hub.rounds.wait_after_quorum(SimpleNamespace(report_seconds=[4.0, 30.0, 8.0])) == 16.0
+    assert make_hub(tmp_path / "set", wait_after_quorum_s=3.0).rounds.wait_after_quorum(
+        SimpleNamespace(report_seconds=[40.0])) == 3.0

@@ -19,7 +19,7 @@ from security.crl import RevocationList
 from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_server.hub import Hub
-from silo_server.servicer import FederationServer, FederationServicer
+from silo_server.servicer import CallLimits, FederationServer, FederationServicer
 from tests.silo_server import hostile
 from tests.silo_server.test_hub import make_hub, start_round
 from tests.silo_server.test_hub_security import same, snapshot
@@ -49,7 +49,9 @@ def wire(tmp_path_factory) -> Iterator[Wire]:
                    max_update_norm=hostile.MAX_NORM, max_upload_bytes=1 << 20)
     hub.sampling = dataclasses.replace(hub.sampling, count=2)
     gate = PeerGate(revocations=RevocationList(hub_bundle / "crl.pem", hub_bundle / "ca.pem"))
-    server = FederationServer(FederationServicer(hub, 0.5, CHUNK_CAP, gate), options=[
+    # Hundreds of calls a second from one silo are the fuzzer's pace, not an attack to refuse here: no call rates
+    # (tests/silo_server/test_servicer_limits.py tests them).
+    server = FederationServer(FederationServicer(hub, 0.5, CHUNK_CAP, gate, limits=CallLimits(rates={})), options=[
         ("grpc.max_receive_message_length", CHUNK_CAP + (64 << 10))])
     port = server.add_port("127.0.0.1:0", tls.ReloadingServerCredentials(hub_bundle).credentials)
     server.start()

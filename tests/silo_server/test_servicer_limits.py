@@ -23,7 +23,7 @@ from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import encode, sha256_hex
 from silo_server.hub import Hub
-from silo_server.servicer import CallLimits, FederationServer, FederationServicer
+from silo_server.servicer import CallLimits, FederationServer, FederationServicer, Rate
 from tests.conftest import wait_for
 from tests.silo_server.test_hub import make_hub
 
@@ -197,3 +197,62 @@ def test_a_revoked_silo_that_keeps_calling_is_counted_each_time_and_logged_once(
     assert f.hub.refusals["revoked"] == 30
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused revoked from attacker")]
     assert len(lines) == 1  # not 30
+
+
+def test_a_token_bucket_per_silo_and_call_refuses_past_its_rate_and_says_when_to_retry():
+    now = [100.0]
+    limits = CallLimits(rates={"NextTask": Rate(5.0, 20.0)}, clock=lambda: now[0])
+    granted = 0
+    for _ in range(25):  # back to back: the burst of 20 passes, the rest is refused
+        refused = limits.acquire("a", "NextTask")
+        if refused is None:
+            granted += 1
+            limits.release("a", "NextTask")
+    assert granted == 20 and limits.refused == {"a": 5}
+    refused = limits.acquire("a", "NextTask")
+    assert refused.reason == "call_rate" and refused.retry_after_s == pytest.approx(0.2)
+    assert limits.acquire("b", "NextTask") is None  # another silo has a bucket of its own
+    now[0] += 0.2  # one token refilled
+    assert limits.acquire("a", "NextTask") is None
+
+
+def test_a_flood_of_calls_is_refused_at_its_rate_logged_once_and_counted_per_silo(federation, caplog):
+    from silo_client.client import retry_after_s
+
+    f = federation
+    f.servicer.limits.rates = {**f.servicer.limits.rates, "Join": Rate(1.0, 5.0)}
+    f.servicer.limits.tokens.clear()
+    stop = threading.Event()
+    codes: list[grpc.StatusCode] = []
+    waits: list[float | None] = []
+
+    def flood():  # one certificate, unary calls back to back on 4 threads
+        while not stop.is_set():
+            try:
+                f.stubs["attacker"].Join(silo_pb2.JoinRequest(num_unlabeled=10, device="cpu"), timeout=5)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes.append(err.code())
+                if "calls faster than allowed" in err.details():
+                    waits.append(retry_after_s(err))
+
+    with caplog.at_level(logging.INFO, logger="silo_server"):
+        threads = [threading.Thread(target=flood) for _ in range(4)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(codes) >= 2000, 60, "2,000 calls")
+        stop.set()
+        for t in threads:
+            t.join(10)
+        honest = f.stubs["honest"].Join(silo_pb2.JoinRequest(num_unlabeled=10, device="cpu"), timeout=5)
+    assert honest.silo_id == "honest"
+    refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert refused >= 1900 and codes.count(grpc.StatusCode.OK) <= 5 + 60  # the burst, then at most 1 a second
+    # each rate refusal says when a token is free (the rest: more than one Join open at once, from 4 threads)
+    assert len(waits) >= 1000 and all(w is not None and 0 < w <= 1.0 for w in waits)
+    by_silo = f.hub.registry.refusals_by_silo
+    assert by_silo[("attacker", "call_rate")] == len(waits) == f.hub.refusals["call_rate"]
+    assert by_silo[("attacker", "call_rate")] + by_silo.get(("attacker", "too_many_calls"), 0) == refused
+    lines = [r for r in caplog.records if "attacker" in r.getMessage()]
+    assert len(lines) <= 3, [r.getMessage() for r in lines]  # one WARNING per reason for the burst, no join lines
+    assert sum("calls faster than allowed" in r.getMessage() for r in lines) == 1

@@ -1,0 +1,113 @@
+"""A silo that breaks the securely aggregated sum is found by group testing and quarantined; the run goes on.
+Under count weighting (not only uniform averaging) an inflated or a negative summed weight is refused."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import pytest
+import torch
+import yaml
+
+from security.secagg import SecAggParams
+from silo_core.algorithms.base import SiloResult
+from silo_server.breaker import BreakerHunt, QuarantineList
+from silo_server.cli import main as server_main
+from silo_server.privacy import PrivacySection
+from tests.silo_server.test_hostile_silo import HostileSecAggSilo, _wait
+from tests.silo_server.test_privacy import D, Silo, make
+
+
+def test_group_testing_finds_one_breaker_in_about_log2_attempts():
+    for breaker in [f"s{i}" for i in range(7)]:
+        hunt, live, attempts = BreakerHunt(), [f"s{i}" for i in range(7)], 0
+        found = hunt.failed(live)  # the first sum with everyone failed
+        attempts += 1
+        rng = random.Random(3)
+        while found is None:
+            cohort = hunt.cohort(live, 4, rng)
+            assert cohort is not None and len(cohort) == 4 and len(set(cohort) & hunt.suspects) < len(hunt.suspects)
+            found = hunt.failed(cohort) if breaker in cohort else hunt.passed(cohort)
+            attempts += 1
+        assert found == breaker and attempts <= 5 and not hunt.active
+
+
+def test_without_spare_silos_no_cohort_can_leave_a_suspect_out():
+    hunt = BreakerHunt()
+    hunt.failed(["a", "b", "c", "d"])
+    assert hunt.cohort(["a", "b", "c", "d"], 4, random.Random(0)) is None  # every live silo is needed
+    assert hunt.cohort(["a", "b", "c", "d", "e"], 4, random.Random(0)) is not None
+
+
+class CountWeightedBreaker(HostileSecAggSilo):
+    pass
+
+
+@pytest.mark.parametrize("weight, words", [(5000.0, "is 1028, outside [0, 50]"), (-30.0, "outside [0, 50]")])
+def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(tmp_path, caplog, weight, words):
+    params = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=2.0)
+    hub = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)  # count weighted
+    silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=weight)]
+    for s in silos:
+        s.start()
+    state = hub.resume_or_init()
+    runner = threading.Thread(target=lambda: _run_quietly(hub, state), daemon=True)
+    runner.start()
+    _wait(lambda: hub.counters.get("rounds_failed", 0) >= 1)
+    hub.stop()
+    runner.join(10)
+    assert hub.history == [] and hub.refusals.get("bad_aggregate") == 1
+    failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
+    assert "securely aggregated sum of 5 silos was refused" in failure and words in failure, failure
+
+
+def _run_quietly(hub, state):
+    try:
+        hub.run_round(state)
+    except InterruptedError:
+        pass
+
+
+def test_a_secure_aggregation_breaker_among_six_honest_silos_is_quarantined_and_the_run_finishes(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    params = SecAggParams(enabled=True, threshold=0.5, dropouts=0, stage_deadline_s=2.0)  # rounds of >= 3 silos
+    hub = make(tmp_path, PrivacySection(secure_aggregation=params), rounds=3, min_silos=6, quorum=1.0)
+    honest = [Silo(hub, f"s{i}", 0.01) for i in range(6)]
+    breaker = CountWeightedBreaker(hub, "s6", 0.0, weight=-30.0)
+    for s in [*honest, breaker]:
+        s.start()
+    state = hub.run()
+    assert state.round == 3  # the run went on
+    assert hub.registry.quarantine.names() == {"s6"}
+    entry = hub.registry.quarantine.entries()["s6"]
+    assert 1 <= entry.attempts <= 5 and entry.round <= 3
+    assert hub.counters["rounds_failed"] <= 5
+    assert any(r.levelno == logging.WARNING and "silo s6 is quarantined" in r.getMessage() for r in caplog.records)
+    assert "s6" not in hub.live_silos()
+    applied = [r for r in hub.history if r.secagg is not None]
+    assert all(r.secagg.contributors >= 3 for r in applied) and hub.history[-1].silos_sampled == 6  # s6 left out
+    # Every applied round's model moved by the honest silos' delta alone: no round took the breaker's input.
+    assert torch.allclose(state.tensors["model/x"], torch.full((D,), 0.03), atol=0.01)
+
+    # The operator lifts it; a lift of a silo that is not quarantined is an error naming it.
+    config = tmp_path / "hub.yaml"
+    config.write_text(yaml.safe_dump({"run": {"state_dir": str(tmp_path)}, "data": {"labeled": {"kind": "demo"}}}))
+    assert server_main(["--config", str(config), "--lift-quarantine", "s6"]) == 0
+    assert QuarantineList(tmp_path).names() == set()
+    assert server_main(["--config", str(config), "--lift-quarantine", "s6"]) == 2
+
+
+def test_the_quarantine_list_survives_a_restart_and_is_reread_when_the_file_changes(tmp_path):
+    from silo_server.breaker import Quarantine
+
+    first = QuarantineList(tmp_path)
+    first.add(Quarantine("x", 2, 3, "broke the sum", "2026-11-27T00:00:00+00:00"))
+    second = QuarantineList(tmp_path)  # another process (the CLI), or the hub after a restart
+    assert second.names() == {"x"} and second.entries()["x"].attempts == 3
+    assert second.lift("x") and first.names() == set()
+    (tmp_path / "quarantine.json").write_text("not json")
+    with pytest.raises(ValueError, match="quarantine.json is not a quarantine list"):
+        QuarantineList(tmp_path).names()
+    assert SiloResult  # noqa: B018 (imported for the hostile silo's result type)
