@@ -305,10 +305,16 @@ class RoundLoop:
                 if time.time() - last_log > 10:
                     preparing = len(self.registry.preparing_silos())
                     dropped = self.registry.dropped_silos()
-                    log.info("waiting for silos: %d ready%s%s, %d needed to start a round%s", len(live),
+                    kept_out = sorted(self.registry.quarantine.names()) if self.registry.quarantine else []
+                    departed = len(self.registry.departed())
+                    log.info("waiting for silos: %d ready%s%s%s%s, %d needed to start a round%s", len(live),
                              f" ({preparing} more loading their images)" if preparing else "",
                              f" ({dropped} more left the last round and have not asked for work since)" if dropped
-                             else "", needed,
+                             else "",
+                             f" ({len(kept_out)} quarantined, not counted: {', '.join(kept_out[:5])}; "
+                             f"silo-server --lift-quarantine NAME)" if kept_out else "",
+                             f" ({departed} left the run by their own policy, not counted)" if departed else "",
+                             needed,
                              " (secure aggregation's dropout tolerance)" if needed > self.settings.min_silos else "")
                     last_log = time.time()
                 self.cond.wait(timeout=1.0)

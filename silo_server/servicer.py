@@ -97,6 +97,11 @@ class Rate:
 # past its rate is refused with RESOURCE_EXHAUSTED and told when to retry (silo-client waits that long).
 CALL_RATES = {"Join": Rate(1.0, 10.0), "NextTask": Rate(5.0, 20.0), "Download": Rate(2.0, 10.0),
               "Upload": Rate(5.0, 20.0), "Leave": Rate(0.2, 3.0), "Health": Rate(2.0, 10.0)}
+# A refused call is answered after a pause (at most this long; a rate refusal's pause is its wait for a token):
+# a client that calls back to back then makes a few calls a second, not thousands, and the hub's CPU goes to the
+# other silos. At most TARPIT_PER_SILO refusals of one silo pause at once; beyond that they are answered at once,
+# so a silo cannot hold the hub's memory with paused calls.
+TARPIT_MAX_S, TARPIT_PER_SILO = 1.0, 8
 
 
 class CallLimits:
@@ -116,6 +121,7 @@ class CallLimits:
         self.in_flight: dict[str, dict[str, int]] = {}
         self.tokens: dict[tuple[str, str], tuple[float, float]] = {}  # (silo, method) -> (tokens, at)
         self.refused: dict[str, int] = {}  # silo -> calls refused since the hub started
+        self.pausing: dict[str, int] = {}  # silo -> refused calls being held before their answer (tarpit)
         self.burst = BurstLog(warn_every_s)
         self._lock = threading.Lock()
 
@@ -135,11 +141,15 @@ class CallLimits:
                 calls[method] = calls.get(method, 0) + 1
                 return None
             self.refused[silo_id] = self.refused.get(silo_id, 0) + 1
+            pause = 0.0
+            if self.pausing.get(silo_id, 0) < TARPIT_PER_SILO:
+                pause = min(TARPIT_MAX_S, retry_after if reason == "call_rate" else TARPIT_MAX_S)
+                self.pausing[silo_id] = self.pausing.get(silo_id, 0) + 1
         what = "has more calls open than allowed" if reason == "too_many_calls" else "calls faster than allowed"
         self.burst.warn((silo_id, reason), lambda n: (
             f"silo {silo_id} {what} ({text}): {n} refused since the last warning; further refusals in the "
             f"next {self.warn_every_s:.0f} s are counted, not logged"))
-        return Refused(reason, text, retry_after)
+        return Refused(reason, text, max(0.0, retry_after - pause), pause)
 
     def _take_token(self, silo_id: str, method: str) -> float:
         """0 when the bucket had a token (one is taken), else the seconds until it will (call under the lock)."""
@@ -155,6 +165,15 @@ class CallLimits:
         self.tokens[(silo_id, method)] = (tokens, now)
         return (1.0 - tokens) / rate.per_second
 
+    def paused(self, silo_id: str) -> None:
+        """A refused call's pause is over (it is being answered)."""
+        with self._lock:
+            left = self.pausing.get(silo_id, 0) - 1
+            if left > 0:
+                self.pausing[silo_id] = left
+            else:
+                self.pausing.pop(silo_id, None)
+
     def release(self, silo_id: str, method: str) -> None:
         with self._lock:
             calls = self.in_flight.get(silo_id, {})
@@ -167,7 +186,8 @@ class CallLimits:
 class Refused:
     reason: str  # too_many_calls or call_rate
     text: str
-    retry_after_s: float = 0.0
+    retry_after_s: float = 0.0  # after the pause: how much longer until a token is free
+    pause_s: float = 0.0  # how long the hub holds the refusal before answering it
 
 
 class _Slot:
@@ -188,6 +208,11 @@ class _Slot:
         refused = s.limits.acquire(peer.silo_id, self.method)
         if refused is not None:
             s.hub.count_refusal(refused.reason, peer.silo_id)
+            if refused.pause_s > 0:  # no thread is held: the call waits on the event loop
+                try:
+                    await asyncio.sleep(refused.pause_s)
+                finally:
+                    s.limits.paused(peer.silo_id)
             if refused.reason == "call_rate":
                 self.context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(refused.retry_after_s * 1000))),))
                 await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
