@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import ssl
 import threading
 import time
@@ -48,6 +47,7 @@ from security.tls import (
     secure_channel,
 )
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.outbox import Outbox, PolicyStop, epsilon_fields, metrics_allowed
@@ -110,10 +110,10 @@ class SiloSettings:
     connect_timeout_s: float = 300.0  # give up when the hub has been unreachable this long (0: never)
     tls_refused_grace_s: float = 30.0  # ...or when the TLS handshake has been refused for certain this long
     sim_labels: Path | None = None  # simulation only: true labels, to report pseudo-label accuracy
-    # Simulation only: poison this silo's results after honest training (silo_sim/attacks.py: sign_flip or noise),
-    # to measure hub.yaml aggregation.rule. silo-sim sets it on its attacking silos; silo-client has no flag for
-    # it: a real branch never poisons.
-    sim_attack: str | None = None
+    # Simulation only: wraps this silo's algorithm once it is built (silo-sim's attacking silos poison their results
+    # after honest training: silo_sim/attacks.py). The simulator hands it in; the silo never imports simulation
+    # code, and silo-client has no flag for it: a real branch never poisons.
+    wrap_algorithm: Callable[[SiloAlgorithm], SiloAlgorithm] | None = None
     name: str = ""  # for log lines; identity itself comes from the certificate
     labeled: Path | None = None  # labeled images in ImageFolder layout (HASSLE: any site may hold some)
     # DEVELOPMENT ONLY: talk plaintext to a `silo-server --insecure-dev-only` hub on this machine, declaring this id.
@@ -327,9 +327,6 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     return f"{err.code().name}: {details}"
 
 
-MAX_RETRY_AFTER_S = 60.0  # a hub asking for more is waited for a minute at a time
-
-
 def retry_after_s(err: grpc.RpcError) -> float | None:
     """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/servicer.py), or None."""
     try:
@@ -420,6 +417,9 @@ class SiloClient:
         self.privacy = SiloPrivacy(send_result=self.outbox.upload, send_stage=self.outbox.stage, identity=identity,
                                    verifier=verifier)
         say_policy_once(self.log, self.policy, self.state_dir)
+        # What the silo does next (join, wait for a task, back off, stop): one state machine decides.
+        self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
+        self.left: SiloLeft | None = None  # set when this branch's policy ended its part in the run
 
     # ------------------------------------------------------------------ the hub's certificate
     def _revocation_list(self) -> RevocationList | None:
@@ -648,11 +648,8 @@ class SiloClient:
         options = get_algorithm(run.algorithm).options.model_validate(json.loads(run.algorithm_options_json or "{}"))
         self._check_model(run)
         self.algorithm = silo(options, model_spec_of(run), self.device)
-        if self.s.sim_attack is not None:
-            from silo_sim.attacks import PoisonedSilo  # simulation only (see SiloSettings.sim_attack)
-
-            self.algorithm = PoisonedSilo(self.algorithm, self.s.sim_attack)
-            self.log.warning("SIMULATED ATTACK: this silo poisons its results (%s)", self.s.sim_attack)
+        if self.s.wrap_algorithm is not None:  # simulation only (SiloSettings.wrap_algorithm)
+            self.algorithm = self.s.wrap_algorithm(self.algorithm)
 
     @staticmethod
     def _silo_algorithm(run: silo_pb2.RunDescription) -> type[SiloAlgorithm]:
@@ -864,86 +861,75 @@ class SiloClient:
 
     # ------------------------------------------------------------------ the loop
     def run_forever(self) -> int:
-        """Take part until the hub says the run is done. Returns 0 then; raises SiloError on fatal problems."""
-        backoff, unreachable_since, refused_since = 1.0, None, None
-        joined = False
+        """Take part until the hub says the run is done (returns 0). Raises SiloError when the hub (or TLS) refuses
+        this silo for good and SiloLeft when this branch's policy ends its part. What to do next is decided by the
+        connection's state machine (silo_client/connection.py); this loop only carries its steps out."""
+        connection = self.connection
         while not self.stop_event.is_set():
-            try:
-                if not joined:
-                    self._join()  # its image work goes through run_work
-                    joined = True
-                # The hub holds the call until it has work for this silo (up to its server.long_poll_s, and a second
-                # short of this deadline), so an idle silo costs it almost nothing.
-                task = self.outbox.poll(silo_pb2.NextTaskRequest(
-                    run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
-                ), timeout=NEXT_TASK_TIMEOUT_S)
-                backoff, unreachable_since, refused_since = 1.0, None, None
-                self.metrics.contact()
-                if task.kind == silo_pb2.Task.DONE:
-                    self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
-                                  len(self.rounds_done))
-                    return 0
-                if task.kind == silo_pb2.Task.TRAIN:
-                    self.run_work(self._train, task)
-                elif task.kind == silo_pb2.Task.RECEIVE:
-                    self.run_work(self._receive, task)
-                elif task.kind == silo_pb2.Task.SECAGG:
-                    self.run_work(self.privacy.run_stage, task)
-                elif task.retry_after_s > 0:
-                    self.stop_event.wait(min(task.retry_after_s, 5.0))
-            except grpc.RpcError as err:
-                code = err.code()
-                self.metrics.hub_error(code.name)
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
-                    # The hub restarted, or our task went stale: re-join and carry on.
-                    self.log.info("hub says: %s; joining again", err.details())
-                    joined = False
-                    continue
-                wait = retry_after_s(err) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                if wait is not None:  # called faster than the hub allows: wait as long as it says, then go on
-                    self.log.warning("the hub asks this silo to slow down (%s); retrying in %.2f s", err.details(),
-                                     wait)
-                    self.stop_event.wait(min(wait, MAX_RETRY_AFTER_S))
-                    continue
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise SiloError(f"the hub refused this silo: {err.details()}; check --certs") from None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    unreachable_since = unreachable_since or time.time()
-                    backoff = self._back_off(describe_rpc_error(err, self.s.hub), backoff, unreachable_since)
-                    joined = False if code == grpc.StatusCode.UNAVAILABLE else joined
-                    continue
-                self.log.warning("hub refused a request: %s", describe_rpc_error(err, self.s.hub))
-                self.stop_event.wait(1.0)
-            except CodecError as err:
-                self.log.warning("bad bundle from the hub (%s); asking again", err)
-                self.stop_event.wait(1.0)
-            except PolicyStop as stop:  # something about to leave was outside the policy: nothing was sent
-                self._leave(stop.refusal)
-            except HubTlsRefused as err:
-                # Another CA, a wrong host name, an expired certificate: retrying for --connect-timeout would not
-                # help. A short grace covers a certificate being swapped on the hub just now.
-                self.metrics.hub_error("UNAUTHENTICATED")
-                refused_since = refused_since or time.time()
-                if time.time() - refused_since >= self.s.tls_refused_grace_s:
-                    raise SiloError(str(err)) from None
-                unreachable_since = unreachable_since or time.time()
-                backoff = self._back_off(str(err), backoff, unreachable_since)
-            except HubCertificateUnchecked as err:
-                self.metrics.hub_error("UNAVAILABLE")
-                refused_since = None
-                unreachable_since = unreachable_since or time.time()
-                backoff = self._back_off(str(err), backoff, unreachable_since)
+            outcome = self._attempt(connection.phase)
+            step = connection.after(outcome, time.time())
+            self.metrics.phase(step.phase.value)
+            if step.log:
+                self.log.warning("%s", step.log)
+            if step.phase is Phase.DONE:
+                return 0
+            if step.phase is Phase.REFUSED:
+                raise SiloError(step.error)
+            if step.phase is Phase.LEFT:
+                raise self.left
+            if step.wait_s:
+                self.stop_event.wait(step.wait_s)
         return 0
 
-    def _back_off(self, message: str, backoff: float, unreachable_since: float) -> float:
-        """Wait before trying the hub again (jittered); SiloError once it has been away for connect_timeout_s.
-        Returns the next wait."""
-        if self.s.connect_timeout_s and time.time() - unreachable_since > self.s.connect_timeout_s:
-            raise SiloError(f"{message}; gave up after {self.s.connect_timeout_s:.0f}s") from None
-        self.log.warning("%s; retrying in %.0fs", message, backoff)
-        self.stop_event.wait(backoff * (0.75 + 0.5 * random.random()))
-        return min(backoff * 2, 30.0)
+    def _attempt(self, phase: Phase) -> Outcome:
+        """One step of `phase`: join, or poll the hub and carry out the task it gives. Whatever happens comes back
+        as an Outcome for the state machine to judge; nothing is decided here."""
+        try:
+            if phase is Phase.JOINING:
+                self._join()  # its image work goes through run_work
+                return Outcome("joined")
+            # The hub holds the call until it has work for this silo (up to its server.long_poll_s, and a second
+            # short of this deadline), so an idle silo costs it almost nothing.
+            task = self.outbox.poll(silo_pb2.NextTaskRequest(
+                run_id=self.run.run_id, last_round_done=self.rounds_done[-1] if self.rounds_done else 0,
+            ), timeout=NEXT_TASK_TIMEOUT_S)
+            self.metrics.contact()
+            kind = silo_pb2.Task.Kind.Name(task.kind)
+            if kind == "DONE":
+                self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
+                              len(self.rounds_done))
+                return Outcome("done", message=task.message)
+            work = {"TRAIN": self._train, "RECEIVE": self._receive, "SECAGG": self.privacy.run_stage}.get(kind)
+            if work is not None:
+                self.run_work(work, task)
+            return Outcome("task", task_kind=kind, retry_after=task.retry_after_s)
+        except grpc.RpcError as err:
+            code = err.code()
+            self.metrics.hub_error(code.name)
+            message = describe_rpc_error(err, self.s.hub) if code.name in TRANSIENT else (err.details() or "")
+            return Outcome("rpc_error", code=code.name, message=message,
+                           retry_after=retry_after_s(err) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
+        except CodecError as err:
+            return Outcome("bad_bundle", message=str(err))
+        except PolicyStop as stop:  # something about to leave was outside the policy: nothing was sent
+            return self._leave_for(stop.refusal)
+        except SiloLeft as left:
+            self.left = left
+            return Outcome("left", message=str(left))
+        except HubTlsRefused as err:
+            self.metrics.hub_error("UNAUTHENTICATED")
+            return Outcome("tls_refused", message=str(err))
+        except HubCertificateUnchecked as err:
+            self.metrics.hub_error("UNAVAILABLE")
+            return Outcome("hub_unchecked", message=str(err))
+
+    def _leave_for(self, refusal: Refusal) -> Outcome:
+        """Leave the run for a refusal found outside a step that could (the Outbox's check of a message)."""
+        try:
+            self._leave(refusal)
+        except SiloLeft as left:
+            self.left = left
+        return Outcome("left", message=str(self.left))
 
     def close(self) -> None:
         self.channel.close()

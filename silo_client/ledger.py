@@ -11,7 +11,7 @@ Two guarantees are tracked apart, because they protect different things against 
 - client_dp: client-level DP with distributed noise. The hub sees only the sum of the cohort's clipped, noised
   updates: one step of the Gaussian mechanism with noise multiplier z per round this silo contributed to, charged
   at sampling rate q = 1 (the hub knows whom it sampled, so no amplification by subsampling is claimed against
-  it), accounted with security.dp.PrivacyAccountant("rdp", delta). It holds while at least the round's minimum
+  it), accounted with silo_core.accounting.PrivacyAccountant("rdp", delta). It holds while at least the round's minimum
   number of cohort silos add their noise honestly.
 - sample_dp: sample-level DP-SGD in this silo's local training. Its epsilon is what the silo's own DP-SGD
   accountant reports after the round (the run's running total, handed in); it holds against any hub.
@@ -35,12 +35,10 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from silo_core.accounting import PrivacyAccountant  # numpy only: Opacus loads when an epsilon is computed
 from silo_core.files import write_json_atomic
-
-if TYPE_CHECKING:
-    from security.dp import PrivacyAccountant
 
 LEDGER_FILE = "privacy-ledger.json"
 FORMAT = "silokit branch privacy ledger v1"
@@ -180,8 +178,6 @@ def _lifetime_delta(runs: dict[str, Any], exclude_run: str | None = None) -> flo
 
 
 def _accountant(run: dict[str, Any]) -> PrivacyAccountant:
-    from security.dp import PrivacyAccountant  # torch: only when a round is charged, not to read the ledger
-
     return PrivacyAccountant.from_json(run["client_accountant"])
 
 
@@ -244,8 +240,6 @@ class BranchLedger:
         when a round of this run was already sent without client-level DP. A run not begun yet starts at 0."""
         run = self._data["runs"].get(run_id)
         if run is None:
-            from security.dp import PrivacyAccountant
-
             return PrivacyAccountant("rdp", self.delta).epsilon_after(noise_multiplier, 1.0)
         if any(e.get("client_dp_noise") is None for e in run["rounds"]):
             return math.inf

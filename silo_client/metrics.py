@@ -22,6 +22,7 @@ from security.pki import cert_days_left
 from silo_core.metrics_http import MetricsServer, serve_metrics
 
 NAN = float("nan")
+PHASES = ("joining", "waiting", "backing_off", "done", "refused", "left")  # silo_client/connection.py Phase
 
 
 class SiloMetricFamilies:
@@ -59,6 +60,9 @@ class SiloMetricFamilies:
             "against any hub; \"image\": the tighter of the two for one image in this run (NaN: no guarantee); "
             "\"lifetime\": the sum of the runs' image epsilons across all runs and hubs.", ["silo", "guarantee"],
             registry=r)
+        self.phase = Gauge("silokit_silo_connection_phase", "1 for the phase this silo's connection is in "
+                           "(joining, waiting, backing_off, done, refused, left; silo_client/connection.py).",
+                           ["silo", "phase"], registry=r)
         self.departures = Counter("silokit_silo_departures", "Runs this silo refused or left by its policy, by kind "
                                   "(refused, breach, budget).", ["silo", "kind"], registry=r)
         self.local_loss = Gauge("silokit_silo_local_loss", "Mean local training loss in the last trained round.", s,
@@ -152,6 +156,11 @@ class SiloMetrics:
                                  ("lifetime", lifetime)):
             self.f.epsilon.labels(self.silo, guarantee).set(NAN if value is None or value == float("inf")
                                                            else value)
+
+    def phase(self, phase: str) -> None:
+        """The connection's phase now (silo_client/connection.py): 1 for it, 0 for the others."""
+        for name in PHASES:
+            self.f.phase.labels(self.silo, name).set(1.0 if name == phase else 0.0)
 
     def departed(self, kind: str) -> None:
         self.f.departures.labels(self.silo, kind).inc()

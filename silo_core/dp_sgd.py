@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from silo_core.accounting import PrivacyAccountant
 from silo_core.config_base import StrictConfig
 from silo_core.data import Images, image_batches
 from silo_core.files import write_json_atomic
@@ -60,8 +61,6 @@ class SampleDPLedger:
     """One silo's sample-level privacy spending in one run, kept on disk when the silo has a state folder."""
 
     def __init__(self, delta: float, path: Path | None = None):
-        from security.dp import PrivacyAccountant
-
         self.path = path
         self.accountant = PrivacyAccountant("rdp", delta)
         if path is not None and path.is_file():

@@ -19,7 +19,7 @@ passes every validation of the wire and moves the mean as far as its deltas can.
   check, which is how silo_server/breaker.py's search for the breaker is tested.
 
 A real silo never poisons: silo-client has no flag for this; silo-sim's `--attackers K --attack KIND` sets it on
-its first K simulated silos (silo_client.client.SiloSettings.sim_attack), and the in-process benchmark wraps its
+its first K simulated silos (silo_sim/worker.py wraps their algorithm: SiloSettings.wrap_algorithm), and the in-process benchmark wraps its
 silo half the same way.
 """
 

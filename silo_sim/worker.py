@@ -64,7 +64,8 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 labeled=Path(entry["labeled"]) if entry.get("labeled") else None, device=spec.get("device", "cpu"),
                 state_dir=Path(entry["state_dir"]), connect_timeout_s=float(spec.get("connect_timeout_s", 120)),
                 sim_labels=Path(entry["labels"]) if entry.get("labels") else None, name=name,
-                sim_attack=entry.get("attack"), load_when_sampled=bool(spec.get("load_when_sampled", False)),
+                wrap_algorithm=attack_wrapper(name, entry.get("attack")),
+                load_when_sampled=bool(spec.get("load_when_sampled", False)),
                 policy=load_policy(Path(entry["policy"])) if entry.get("policy") else None,
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
@@ -98,6 +99,20 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
                 break
         server.close()
     return results
+
+
+def attack_wrapper(name: str, attack: str | None):
+    """silo-sim's attacking silos (--attackers, --attack): their algorithm, wrapped from outside the silo."""
+    if attack is None:
+        return None
+    from silo_sim.attacks import PoisonedSilo
+
+    def wrap(algorithm):
+        logging.getLogger("silo_sim.worker").warning("SIMULATED ATTACK: silo %s poisons its results (%s)", name,
+                                                     attack)
+        return PoisonedSilo(algorithm, attack)
+
+    return wrap
 
 
 def wait_for_listener(address: str, listening: threading.Event, stop: threading.Event, timeout: float) -> None:

@@ -186,7 +186,7 @@ def main() -> int:
     b, a = out["runs"]["before"], out["runs"]["after"]
     lines = [f"Command: `{out['command']}` ({out['date'][:19]}, {out['platform']}, {out['cpus']} CPUs; before = "
              f"{out['before_commit']}, after = {out['after_commit']}).", "",
-             f"| | before | after |", "|---|---|---|",
+             "| | before | after |", "|---|---|---|",
              f"| flood: NextTask calls a second (wrong run id, {THREADS} threads, {FLOOD_S:.0f} s) | "
              f"{b['flood']['calls_per_s']:,.0f} | {a['flood']['calls_per_s']:,.0f} |",
              f"| flood: hub CPU (cores busy) | {b['flood']['hub_cores_busy']:.2f} | {a['flood']['hub_cores_busy']:.2f} |",
