@@ -60,6 +60,7 @@ from silo_server.hub import CERT_WARN_DAYS, Hub
 from silo_server.metrics import HubMetrics
 from silo_server.privacy import HubPrivacy
 from silo_server.servicer import FederationServer, FederationServicer
+from silo_server.sinks import TensorBoardSink
 
 log = logging.getLogger("silo_server")
 
@@ -152,6 +153,9 @@ class HubApp:
             aggregation=config.aggregation,
         )
         self.hub.max_weight_factor = config.security.max_weight_factor
+        if config.run.tensorboard is not None:  # one more sink of the round records (silo_server/sinks.py)
+            self.hub.rounds.sinks.append(TensorBoardSink(Path(config.run.tensorboard) / self.hub.run_id,
+                                                         initial=lambda: self.hub.initial))
         # The best round so far on the validation split; its model is kept in the state dir across restarts.
         self.best = (load_best_round(config.run.state_dir, self.hub.run_id) if validation is not None
                      else BestRound())
@@ -374,6 +378,7 @@ class HubApp:
 
     def stop(self, grace: float = 1.0) -> None:
         self.hub.stop()
+        self.hub.rounds.close_sinks()
         if self.server is not None:
             self.server.stop(grace)
             self.pool.shutdown(wait=False, cancel_futures=True)

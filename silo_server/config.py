@@ -71,6 +71,8 @@ class RunSection(StrictConfig):
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda, cuda:N")
     state_dir: ConfigPath = Field(Path("hub-state"), description="checkpoints, history, final model")
     threads: int | None = Field(None, ge=1, le=4096, description="torch CPU threads for the hub (default: torch's)")
+    tensorboard: ConfigPath | None = Field(None, description="write the run's curves for TensorBoard here, one "
+                                           "folder per run (the tensorboard extra)")
 
 
 class ServerSection(StrictConfig):

@@ -5,8 +5,8 @@ Two sources, no Prometheus code in the hub core:
 - State read at scrape time from the `Hub` object (round, phase, silos, counters of accepted/refused updates and
   bytes, the latest `RoundRecord` in `hub.history`, certificate files). A restarted hub therefore shows the last
   checkpointed round's accuracy at once.
-- Events from the hub's `on_round` callback (one `RoundRecord` per completed round) feed the histograms and the
-  counters that only make sense per completed round.
+- Events from the round loop's sinks (silo_server/sinks.py: one `RoundRecord` per completed round) feed the
+  histograms and the counters that only make sense per completed round.
 
 The round record (silo_core/rounds.py) is the contract with the hub, the algorithms and the privacy and
 secure-aggregation layers; its fields become these metrics (None leaves a gauge at NaN, or at zero for a feature not
@@ -80,7 +80,8 @@ ROUND_SILO_STATES = ("sampled", "reported", "skipped", "dropped")
 
 
 class HubMetrics:
-    """Prometheus metrics for one hub. Wraps `hub.on_round` (keeping any callback already there)."""
+    """Prometheus metrics for one hub: a sink of the round records (silo_server/sinks.py) and a collector of the
+    hub's state at scrape time."""
 
     def __init__(self, hub: Hub, *, certs: Path | None = None, registry: CollectorRegistry | None = None,
                  version: str = "0.2.0"):
@@ -133,16 +134,12 @@ class HubMetrics:
         self.progress.set(self.started)
         self.registry.register(_HubStateCollector(self))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux)
-        previous = hub.on_round
-
-        def on_round(record: RoundRecord) -> None:
-            self.on_round(record)
-            if previous is not None:
-                previous(record)
-
-        hub.on_round = on_round
+        hub.rounds.sinks.append(self)
 
     # ------------------------------------------------------------------ events
+    def round_done(self, record: RoundRecord) -> None:  # RoundSink
+        self.on_round(record)
+
     def on_round(self, record: RoundRecord) -> None:
         now = time.time()
         self.round_ends.append(now)

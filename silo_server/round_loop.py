@@ -29,6 +29,7 @@ from silo_server.registry import SiloRegistry
 from silo_server.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
 from silo_server.scoring import RunRecords, short
 from silo_server.settings import RoundSettings, wire_specs
+from silo_server.sinks import CallbackSink, HistoryFile, RoundSink
 
 log = logging.getLogger("silo_server")
 
@@ -184,7 +185,10 @@ class RoundLoop:
         self.max_update_norm = max_update_norm  # what the privacy layer checks a securely aggregated sum against
         # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
         self.round_hyperparameters = dict(round_hyperparameters or {})
-        self.on_round = on_round
+        # Where each completed round's record goes (silo_server/sinks.py): history.json first, then what the app
+        # adds (Prometheus, TensorBoard), then the caller's own callback.
+        self.sinks: list[RoundSink] = [HistoryFile(records)]
+        self.callback = CallbackSink(on_round) if on_round is not None else None
         self.aggregation = aggregation or AggregationSection()  # hub.yaml aggregation (silo_server/robust.py)
         if self.aggregation.rule != "mean" and privacy is not None:
             raise ValueError(f"aggregation.rule: {self.aggregation.rule} needs each silo's update, which the "
@@ -553,15 +557,27 @@ class RoundLoop:
         self.records.save(state, self.registry.declared_images())
         record = replace(record, checkpoint_seconds=time.time() - saving_started)
         self.records.history[-1] = record
-        self.records.write_history()
         with self.cond:
             self.task = None
             self.round = state.round
         log.info("round %d done: %s", state.round, json.dumps({k: short(v) for k, v in record.to_json().items()}))
         self.registry.log_security()
-        if self.on_round is not None:
-            self.on_round(record)
+        for sink in [*self.sinks, *([self.callback] if self.callback is not None else [])]:
+            sink.round_done(record)
         return state
+
+    @property
+    def on_round(self) -> Callable[[RoundRecord], None] | None:
+        """The caller's own function of each round's record (the last sink)."""
+        return self.callback.callback if self.callback is not None else None
+
+    @on_round.setter
+    def on_round(self, callback: Callable[[RoundRecord], None] | None) -> None:
+        self.callback = CallbackSink(callback) if callback is not None else None
+
+    def close_sinks(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
