@@ -304,30 +304,12 @@ class HubConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _aggregation_fits(self) -> HubConfig:
-        rule = self.aggregation.rule
-        if rule == "mean":
-            return self
-        if self.privacy.secure_aggregation.enabled:
-            raise ValueError(f"aggregation.rule: {rule} needs each silo's update, which secure aggregation hides "
-                             "from the hub (privacy.secure_aggregation.enabled): only aggregation.rule: mean works "
-                             "with it")
-        if self.privacy.dp.enabled:
-            raise ValueError(f"aggregation.rule: {rule} does not compose with privacy.dp yet: its noise is "
-                             "calibrated to the sum of the clipped updates; use aggregation.rule: mean")
-        entry = get_algorithm(self.algorithm.name)
-        if not entry.hub.needs_silos:
-            raise ValueError(f"aggregation.rule: {rule} has nothing to aggregate: algorithm {self.algorithm.name!r} "
-                             "trains on the hub alone; use aggregation.rule: mean")
-        if rule == "fltrust" and not entry.hub.has_trusted_update():
-            able = [n for n, e in ALGORITHMS.items() if e.hub.needs_silos and e.hub.has_trusted_update()]
-            raise ValueError(f"aggregation.rule: fltrust needs the hub's own update on its labels, which algorithm "
-                             f"{self.algorithm.name!r} does not compute yet; it works with: {', '.join(able)}")
-        fewest = self.aggregation.fewest_silos
+        """The rule's own constraints (silo_server/rules/base.py AggregationRule.check), the round loop's too."""
         r = self.rounds
-        if fewest > 1 and (r.min_silos < fewest or (r.silos_per_round_count or fewest) < fewest):
-            raise ValueError(f"aggregation.rule: {rule} with aggregation.krum_byzantine "
-                             f"{self.aggregation.krum_byzantine} needs at least 2f + 3 = {fewest} updates a round: "
-                             f"set rounds.min_silos (and rounds.silos_per_round_count, if set) to {fewest} or more")
+        self.aggregation.aggregator().check(
+            self.aggregation, get_algorithm(self.algorithm.name).hub,
+            secure_aggregation=self.privacy.secure_aggregation.enabled, dp=self.privacy.dp.enabled,
+            min_silos=r.min_silos, silos_per_round_count=r.silos_per_round_count)
         return self
 
 

@@ -18,7 +18,7 @@ def _rounds(hub, n):
     state = hub.resume_or_init()
     for r in range(1, n + 1):
         out = {}
-        thread = threading.Thread(target=lambda st=state: out.setdefault("state", hub.run_round(st)), daemon=True)
+        thread = threading.Thread(target=lambda st=state, o=out: o.setdefault("state", hub.run_round(st)), daemon=True)
         thread.start()
         for s, value in (("a", 1.0 * r), ("b", 3.0 * r)):
             upload(hub, s, wait_task(hub, s), result(value))
