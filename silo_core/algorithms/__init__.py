@@ -1,4 +1,9 @@
-"""Registry of algorithms: name -> (options model, hub half, silo half or None for hub-only algorithms)."""
+"""Registry of algorithms: name -> (options model, hub half, silo half or None for hub-only algorithms).
+
+A new algorithm is one module with its options model, its hub half and its silo half (silo_core/algorithms/base.py),
+registered here by name, or from anywhere with `register_algorithm` (tests/silo_core/test_algorithm_registry.py adds
+one in a few dozen lines). Hub and silo look it up by the name hub.yaml's algorithm.name gives; a silo runs only
+algorithms registered in its own installation, never code the hub names."""
 
 from __future__ import annotations
 
@@ -29,6 +34,17 @@ ALGORITHMS: dict[str, AlgorithmEntry] = {
     "fedavg-fixmatch": AlgorithmEntry(FedAvgFixMatchOptions, FedAvgFixMatchHub, FedAvgFixMatchSilo),
     "supervised": AlgorithmEntry(SupervisedOptions, SupervisedHub, SupervisedSilo),
 }
+
+
+def register_algorithm(name: str, options: type[StrictConfig], hub: type[HubAlgorithm],
+                       silo: type[SiloAlgorithm] | None = None) -> AlgorithmEntry:
+    """Add an algorithm under `name` (refused when the name is taken: an algorithm is never replaced silently)."""
+    if name in ALGORITHMS:
+        raise ValueError(f"an algorithm named {name!r} is already registered")
+    if silo is None and hub.needs_silos:
+        raise ValueError(f"algorithm {name!r} needs silos ({hub.__name__}.needs_silos) but has no silo half")
+    ALGORITHMS[name] = entry = AlgorithmEntry(options, hub, silo)
+    return entry
 
 
 def get_algorithm(name: str) -> AlgorithmEntry:
