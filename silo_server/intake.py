@@ -5,7 +5,6 @@ Secure-aggregation stage messages come in here too and are checked by the round'
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,7 +265,7 @@ class TaskIntake:
                     raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
                                           "the round closed during the upload")
                 try:
-                    HubPrivacy.receive(t.privacy, silo_id, stage, payload)
+                    rounds.accept_stage(silo_id, t, stage, payload, total)
                 except ProtocolError as err:
                     duplicate = isinstance(err, DuplicateMessage)
                     if not duplicate:  # the first message of a stage stands; a broken one is a dropout
@@ -274,12 +273,4 @@ class TaskIntake:
                         self.cond.notify_all()
                     raise registry.refuse(silo_id, "ALREADY_EXISTS" if duplicate else "INVALID_ARGUMENT",
                                           "bad_secagg", str(err)) from None
-                if stage == "abort":
-                    rounds.leave_round(silo_id)
-                if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
-                    t.reported.add(silo_id)
-                    t.report_seconds.append(time.time() - t.started)
-                    registry.credit(silo_id)
-                t.bytes_up += total
-                self.cond.notify_all()
         log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)

@@ -139,6 +139,9 @@ class RoundHooks:
     stop_event: threading.Event  # set when the hub stops: the stage driver gives up (InterruptedError)
     refuse: Callable[[str | None, str, str, str], Any]  # count and log a refusal (of a securely aggregated sum)
     max_update_norm: float | None = None  # security.max_update_norm: a sum without DP noise is checked against it
+    # Called with the round's privacy state once each stage's messages are out (RoundPrivacy.outbox): a transport
+    # whose silos live in this process answers them here (silo_sim/inprocess.py); over gRPC silos poll for them.
+    answer: Callable[[RoundPrivacy], None] | None = None
 
 
 class HubPrivacy:
@@ -369,6 +372,8 @@ class HubPrivacy:
                 rp.outbox, rp.outbox_stage, rp.answered = {}, next_stage, set()
                 rp.outbox = close()
                 hooks.cond.notify_all()
+                if hooks.answer is not None:
+                    hooks.answer(rp)
                 deadline, ready_since = time.time() + deadline_s, None
                 while s.waiting_for() and time.time() < deadline:
                     if hooks.stop_event.is_set():

@@ -270,6 +270,19 @@ class RoundLoop:
                 self.evict(silo_id)
 
     # ------------------------------------------------------------------ results coming in
+    def accept_stage(self, silo_id: str, task: ActiveTask, stage: str, payload: bytes, total_bytes: int) -> None:
+        """A sampled silo's secure-aggregation stage message joins the round's session (call under the lock, after
+        checking the task is still current). ProtocolError when the session cannot use it."""
+        HubPrivacy.receive(task.privacy, silo_id, stage, payload)
+        if stage == "abort":
+            self.leave_round(silo_id)
+        if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
+            task.reported.add(silo_id)
+            task.report_seconds.append(time.time() - task.started)
+            self.registry.credit(silo_id)
+        task.bytes_up += total_bytes
+        self.cond.notify_all()
+
     def accept_result(self, silo_id: str, task: ActiveTask, tensors: dict[str, Any], metrics: dict[str, float],
                       skipped: bool, total_bytes: int = 0, stored: Any = None) -> None:
         """A sampled silo's whole, validated result joins the round: summed (mean), or kept as its stored file
@@ -419,7 +432,8 @@ class RoundLoop:
             try:
                 if self.privacy is not None:
                     hooks = RoundHooks(cond=self.cond, stop_event=self.stop_event, refuse=self.registry.refuse,
-                                       max_update_norm=self.max_update_norm)
+                                       max_update_norm=self.max_update_norm,
+                                       answer=getattr(self.transport, "answer_stage", None))
                     private = self.privacy.complete(task, need, hooks)  # unmasked, noised and charged
                     aggregation_started = time.time()
                     state, metrics = self.algorithm.finish_round(state, private.sums, private.metrics)

@@ -23,12 +23,15 @@ from typing import Any
 import torch
 
 from security import validation
+from silo.v1 import silo_pb2
+from silo_client.privacy import SiloPrivacy
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord
 from silo_core.training import evaluate as evaluate_model
+from silo_server.privacy import HubPrivacy
 from silo_server.registry import ChangeCondition, SiloRegistry
 from silo_server.robust import AggregationSection
 from silo_server.round_loop import ActiveTask, RoundLoop
@@ -46,9 +49,38 @@ class InProcessSilos:
 
     silos_can_change = False
 
+    # ------------------------------------------------------------------ privacy: the silo-client's own layer
+    def _submit_private(self, loop: RoundLoop, task: ActiveTask, name: str, result: Any) -> None:
+        """The silo's privacy layer (silo_client/privacy.py) on its result, with the hub's intake as its wire: DP
+        clipping and noise at the silo, then either a clear upload (central noise) or the secure-aggregation
+        session's first stage; the later stages are answered when the hub's stage driver hands them out
+        (answer_stage). No clear metrics leave, as over the wire."""
+
+        def send_result(_task, tensors, _metrics, skipped, _epsilon=None) -> int:
+            HubPrivacy.check_clear_upload(task.privacy, tensors)
+            with loop.cond:
+                loop.accept_result(name, task, dict(tensors), {}, skipped)
+            return 0
+
+        def send_stage(_task_id, _round, stage, payload, _epsilon=None, _tensors=None) -> None:
+            with loop.cond:
+                loop.accept_stage(name, task, stage, payload, len(payload))
+
+        privacy = self.privacies[name] = SiloPrivacy(send_result, send_stage)
+        wire_task = silo_pb2.Task(task_id=task.task_id, round=task.round,
+                                  privacy=task.privacy.task_privacy(task.task_id))
+        privacy.submit(name, loop.records.run_id, wire_task, result, task.expected)
+
+    def answer_stage(self, rp: Any) -> None:
+        """Each silo's answer to the stage the hub's driver just handed out (silo_server/privacy.py RoundHooks)."""
+        for name, payload in sorted(rp.outbox.items()):
+            task = silo_pb2.Task(task_id=rp.session.session, secagg_stage=rp.outbox_stage, secagg_payload=payload)
+            self.privacies[name].run_stage(task)
+
     def __init__(self, silo: SiloAlgorithm | None, silos: dict[str, SiloData]):
         self.silo = silo
         self.silos = silos
+        self.privacies: dict[str, SiloPrivacy] = {}  # each silo's privacy layer in a private round (its session)
 
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
         if self.silo is None:
@@ -62,6 +94,9 @@ class InProcessSilos:
                 raise InterruptedError("stopping")
             started = time.time()
             result = self.silo.local_update(plan, self.silos[name])
+            if task.privacy is not None:  # DP and/or secure aggregation: what a silo-client's privacy layer sends
+                self._submit_private(loop, task, name, result)
+                continue
             metrics = {**result.metrics, "train_seconds": time.time() - started}
             tensors = {} if result.skipped else dict(result.tensors)
             if tensors:
@@ -96,6 +131,7 @@ def run_inprocess(
     silos_per_round_count: int | None = None,
     aggregation: AggregationSection | None = None,
     state_dir: Path | None = None,
+    privacy: HubPrivacy | None = None,
 ) -> tuple[HubState, list[RoundRecord]]:
     """Run `rounds` rounds of the deployed hub's round loop (silo_server/round_loop.py: sampling, weight caps,
     aggregation under hub.yaml's `aggregation` rule, scoring, records, checkpoints) with the silos in this process
@@ -105,7 +141,9 @@ def run_inprocess(
     `evaluate` score each round's state as the hub's validation split and test set do (validation_*, test_*).
     Each round samples the fraction `silos_per_round` of the silos, or `silos_per_round_count` of them when given
     (hub.yaml's rounds.silos_per_round and rounds.silos_per_round_count). Checkpoints and history.json go to
-    `state_dir` (default: a temporary folder, removed after the run)."""
+    `state_dir` (default: a temporary folder, removed after the run). `privacy` (HubPrivacy: secure aggregation,
+    client-level DP) runs the hub's privacy layer and each silo's as over the wire (unsigned sessions: the silos
+    here have no certificates), so a private benchmark's numbers come from the same round loop."""
     if not 0 < silos_per_round <= 1:
         raise ValueError(f"silos_per_round is a fraction in (0, 1], got {silos_per_round}; for a number of silos "
                          "pass silos_per_round_count")
@@ -125,7 +163,8 @@ def run_inprocess(
                                silos_per_round_count=silos_per_round_count, quorum=1.0, seed=seed),
             registry, RunRecords(state_dir or Path(scratch), evaluate=evaluate, validate=validate),
             stop_event=threading.Event(), round_hyperparameters=round_hyperparameters, on_round=on_round,
-            aggregation=aggregation, transport=InProcessSilos(silo, by_name))
+            aggregation=aggregation, transport=InProcessSilos(silo, by_name),
+            privacy=privacy if privacy is not None and privacy.enabled else None)
         state = loop.run()
         return state, list(loop.records.history)
 

@@ -33,6 +33,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from security.dp import DPConfig, DPController, PrivacyAccountant, privatize_update  # noqa: E402
+from security.dp import DPConfig, PrivacyAccountant  # noqa: E402
 from security.secagg import QuantizationRule, SecAggParams  # noqa: E402
 from security.secagg.inprocess import Costs, aggregate  # noqa: E402
 from silo_core.models import ModelSpec  # noqa: E402
-from silo_core.rounds import RoundRecord, Scores  # noqa: E402
+from silo_core.rounds import RoundRecord  # noqa: E402
 
 OUT = ROOT / "bench" / "privacy" / "results"
 
@@ -147,9 +148,14 @@ def noise_for_epsilon(target: float, rounds: int, sample_rate: float, delta: flo
 
 def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device, algorithm: str = "semifl"
                ) -> dict[str, Any]:
+    """One cell through the deployed hub's round loop with its privacy layer and each silo's
+    (silo_sim/inprocess.py run_inprocess with HubPrivacy): secure aggregation always, distributed DP at the noise
+    multiplier that spends `epsilon` in `args.rounds` rounds (None: no DP; inf: clipping with no noise to speak of)."""
     from silo_core.algorithms import get_algorithm
     from silo_core.algorithms.base import HubData, SiloData
     from silo_core.training import evaluate
+    from silo_server.privacy import HubPrivacy, PrivacySection
+    from silo_sim.inprocess import run_inprocess
 
     entry = get_algorithm(algorithm)
     options = entry.options.model_validate({k: v for k, v in args.options.items() if k in entry.options.model_fields})
@@ -162,57 +168,33 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
              for i, idx in enumerate(parts)]
     per_round = max(1, round(args.sample_rate * len(silos)))
     q = per_round / len(silos)
-    secagg = SecAggParams(enabled=True, quantization=[QuantizationRule(pattern="weight", clip=64.0, bits=20),
-                                                      QuantizationRule(pattern="*", clip=1.0, bits=20)])
-    dp = None
+    secagg = SecAggParams(enabled=True, dropouts=0,
+                          quantization=[QuantizationRule(pattern="weight", clip=64.0, bits=20),
+                                        QuantizationRule(pattern="*", clip=1.0, bits=20)])
+    dp = DPConfig()
     if epsilon is not None:
         z = noise_for_epsilon(epsilon, args.rounds, q) if math.isfinite(epsilon) else 1e-9
-        dp = DPController(DPConfig(enabled=True, noise_multiplier=max(z, 1e-9), clip_norm=args.clip_norm,
-                                   noise="distributed"), secure_aggregation=True, seed=args.seed)
-    state = hub.init_state()
-    rng = random.Random(args.seed)
-    history: list[RoundRecord] = []
-    norms: list[float] = []
+        dp = DPConfig(enabled=True, noise_multiplier=max(z, 1e-9), clip_norm=args.clip_norm, noise="distributed")
+    privacy = HubPrivacy(PrivacySection(secure_aggregation=secagg, dp=dp), seed=args.seed) if silo else None
     started = time.time()
-    for r in range(1, args.rounds + 1):
-        plan = hub.begin_round(state)
-        summed: dict[str, torch.Tensor] = {}
-        charged = None  # this round's DP record, when DP is on
-        if silo is not None:
-            sampled = rng.sample(silos, per_round)
-            instructions = dp.plan_round(per_round, len(silos), per_round) if dp is not None else None
-            inputs = {}
-            for data in sampled:
-                result = silo.local_update(plan, data)
-                tensors = ({n: torch.zeros(s.shape) for n, s in plan.expected.items()} if result.skipped
-                           else dict(result.tensors))
-                if instructions is not None:
-                    tensors, stats = privatize_update(tensors, instructions)
-                    norms.append(stats["update_norm"])
-                inputs[data.silo_id] = {n: t.float() for n, t in tensors.items()}
-            rules = secagg
-            if instructions is not None:  # the hub's per-round fixed-point range, as silo_server/privacy.py does
-                rules = secagg.model_copy(update={"quantization": [QuantizationRule(
-                    pattern="delta/*", clip=args.clip_norm + 6 * instructions.noise_std, bits=20)]
-                    + list(secagg.quantization)})
-            out = aggregate(inputs, rules, session=f"r{r}", seed=r, keep_levels=False)
-            summed = {k: v.float() for k, v in out.sums.items()}
-            if dp is not None:
-                summed, charged = dp.finish_round(summed, len(out.contributors), per_round, len(silos))
-        state, metrics = hub.finish_round(state, summed, {})
-        acc = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
-        if charged is not None and not math.isfinite(epsilon):
-            charged = None  # an infinite target runs the same pipeline without noise: no epsilon to speak of
-        history.append(RoundRecord(round=r, scores=Scores.measured(test=acc), dp=charged))
-        print(f"  {algorithm} eps={epsilon} round {r}: accuracy {acc['accuracy']:.4f}"
-              + (f", epsilon {charged.epsilon:.3f}" if charged is not None else ""), flush=True)
-    finite = dp is not None and math.isfinite(epsilon)
-    return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.config.noise_multiplier
-            if finite else None, "spent_epsilon": dp.epsilon() if finite else None, "sample_rate": q,
+
+    def score(state) -> dict[str, float]:
+        return evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
+
+    def report(record: RoundRecord) -> None:
+        print(f"  {algorithm} eps={epsilon} round {record.round}: accuracy {record.scores.test_accuracy:.4f}"
+              + (f", epsilon {record.dp.epsilon:.3f}" if record.dp is not None else ""), flush=True)
+
+    _, history = run_inprocess(hub, silo, silos, args.rounds, seed=args.seed, evaluate=score, on_round=report,
+                               silos_per_round_count=per_round if silo is not None else None, privacy=privacy)
+    finite = epsilon is not None and math.isfinite(epsilon)
+    if not finite:  # an infinite target runs the same pipeline without noise: no epsilon to speak of
+        history = [replace(r, dp=None) for r in history]
+    return {"algorithm": algorithm, "target_epsilon": epsilon, "noise_multiplier": dp.noise_multiplier
+            if finite else None, "spent_epsilon": history[-1].dp.epsilon if finite else None, "sample_rate": q,
             "final_accuracy": history[-1].scores.test_accuracy, "history": [h.to_json() for h in history],
             "seconds": time.time() - started,
-            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round,
-            "median_update_norm": statistics.median(norms) if norms else None}
+            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round}
 
 
 def bench_dp(args) -> list[dict[str, Any]]:
