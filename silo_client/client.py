@@ -223,11 +223,7 @@ def check_architecture(run: silo_pb2.RunDescription, spec: ModelSpec) -> None:
 
 
 def model_spec_of(run: silo_pb2.RunDescription) -> ModelSpec:
-    return ModelSpec(
-        name=run.model, num_classes=run.num_classes, in_channels=run.in_channels, image_size=run.image_size,
-        mean=list(run.normalize_mean), std=list(run.normalize_std),
-        options=json.loads(run.model_options_json or "{}"), factory=run.model_factory or None,
-    )
+    return ModelSpec.from_run(run)
 
 
 def data_key(run: silo_pb2.RunDescription) -> tuple[int, int]:

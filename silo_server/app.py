@@ -85,15 +85,6 @@ def load_source(src: DataSource, image_size: int, channels: int, cache_mb: float
     return images
 
 
-def model_spec_from(config: HubConfig, num_classes: int) -> ModelSpec:
-    m = config.model
-    return ModelSpec(
-        name=m.factory or m.name, num_classes=num_classes, in_channels=m.in_channels, image_size=m.image_size,
-        mean=m.mean or [0.5] * m.in_channels, std=m.std or [0.5] * m.in_channels, options=dict(m.options),
-        factory=m.factory,
-    )
-
-
 class HubApp:
     """A configured hub, ready to serve. Tests and silo-sim drive it in-process too."""
 
@@ -110,7 +101,7 @@ class HubApp:
         self.test = load_source(d.test, m.image_size, m.in_channels, d.cache_mb, d.loader_workers) if d.test else None
         self.validation = validation = (load_source(d.validation, m.image_size, m.in_channels, d.cache_mb,
                                                     d.loader_workers) if d.validation else None)
-        self.spec = model_spec_from(config, len(self.labeled.classes))
+        self.spec = ModelSpec.from_config(m, len(self.labeled.classes))
         entry = get_algorithm(config.algorithm.name)
         self.options = config.algorithm.parsed_options()
         hub_data = HubData(

@@ -106,7 +106,8 @@ class DataSection(StrictConfig):
 
 
 class ModelSection(StrictConfig):
-    name: str = Field("small_cnn", description="small_cnn, wrn28_2, torchvision/<name> or timm/<name>")
+    name: str = Field("small_cnn", description="small_cnn, wrn28_2, torchvision/<name>, timm/<name> or "
+                      "monai/<name>")
     image_size: int = Field(28, ge=8, le=512)
     in_channels: int = Field(1, description="1 (grayscale) or 3 (RGB)")
     mean: list[float] | None = None
@@ -137,8 +138,8 @@ class ModelSection(StrictConfig):
             if "name" in self.model_fields_set:
                 raise ValueError(f"set model.name (a built-in or library network) or model.factory (your own), not "
                                  f"both; got name {self.name!r} and factory {self.factory!r}")
-        ModelSpec(self.factory or self.name, in_channels=self.in_channels, image_size=self.image_size,
-                  options=dict(self.options), factory=self.factory).check_options()
+        # The class count comes from the data later; the default stands in for it here.
+        ModelSpec.from_config(self, num_classes=ModelSpec.num_classes).check_options()
         for key in ("mean", "std"):
             value = getattr(self, key)
             if value is not None and len(value) != self.in_channels:

@@ -487,8 +487,8 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     from silo_core.algorithms.base import HubData
     from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
     from silo_core.data import load_labeled_folder
+    from silo_core.models import ModelSpec
     from silo_core.training import evaluate, resolve_device
-    from silo_server.app import model_spec_from
     from silo_server.config import load_config
 
     torch.set_num_threads(os.cpu_count() or 2)
@@ -497,7 +497,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     size, channels = config.model.image_size, config.model.in_channels
     labeled = load_labeled_folder(staged.root / "hub" / "labeled", size, channels)
     test = load_labeled_folder(staged.root / "hub" / "test", size, channels)
-    spec = model_spec_from(config, len(labeled.classes))
+    spec = ModelSpec.from_config(config.model, len(labeled.classes))
     # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
     opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
     dev = resolve_device(device)

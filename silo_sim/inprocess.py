@@ -31,6 +31,7 @@ from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord
 from silo_core.training import evaluate as evaluate_model
+from silo_server.config import load_config
 from silo_server.privacy import HubPrivacy
 from silo_server.registry import ChangeCondition, SiloRegistry
 from silo_server.robust import AggregationSection
@@ -170,12 +171,13 @@ def run_inprocess(
 
 
 def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int = 0,
-                  model: str = "small_cnn", device: torch.device | None = None) -> list[RoundRecord]:
+                  model: str | None = None, device: torch.device | None = None) -> list[RoundRecord]:
     """The rounds a silo-sim run staged in `work` took over the wire, again in one process: the same images (its
-    PNG files), silo names (they seed each silo's randomness), options and seed, every silo in every round (the
-    hub's sampling of a fraction is its own), and every CPU core, as silo-sim's hub and worker use (another thread
-    count sums in another order: 0.6 points apart after 3 rounds at 1 thread against 2). Returns every round's
-    metrics with the test accuracy."""
+    PNG files), model (its hub.yaml's model section: geometry, normalisation, options), silo names (they seed each
+    silo's randomness), options and seed, every silo in every round (the hub's sampling of a fraction is its own),
+    and every CPU core, as silo-sim's hub and worker use (another thread count sums in another order: 0.6 points
+    apart after 3 rounds at 1 thread against 2). `model` names another model to replay with (its default
+    options). Returns every round's metrics with the test accuracy."""
     work, device = Path(work), device or torch.device("cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -185,19 +187,24 @@ def replay_staged(work: Path, method: str, options: dict[str, Any], rounds: int,
         torch.set_num_threads(threads)
 
 
-def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int, model: str,
+def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed: int, model: str | None,
             device: torch.device) -> list[RoundRecord]:
     entry = get_algorithm(method)
     opts = entry.options.model_validate(options)
-    labeled = load_labeled_folder(work / "hub" / "labeled", 28, 1)
-    test = load_labeled_folder(work / "hub" / "test", 28, 1)
-    validation = load_labeled_folder(work / "hub" / "validation", 28, 1) if (work / "hub" / "validation").is_dir() else None
+    staged = load_config(work / "hub.yaml").model  # the geometry the images were staged and the hub ran with
+    size, channels = staged.image_size, staged.in_channels
+    labeled = load_labeled_folder(work / "hub" / "labeled", size, channels)
+    test = load_labeled_folder(work / "hub" / "test", size, channels)
+    validation = (load_labeled_folder(work / "hub" / "validation", size, channels)
+                  if (work / "hub" / "validation").is_dir() else None)
     silos = []
     for folder in sorted((work / "silos").iterdir()):
-        images = load_unlabeled_folder(folder / "images", 28, 1).images
+        images = load_unlabeled_folder(folder / "images", size, channels).images
         true_labels = torch.tensor(json.loads((folder / "labels.json").read_text()), dtype=torch.int64)
         silos.append(SiloData(images=images, true_labels=true_labels, silo_id=folder.name))
-    spec = ModelSpec(name=model, num_classes=len(test.classes))
+    spec = ModelSpec.from_config(staged, len(labeled.classes))  # as the hub made it
+    if model is not None and model != spec.name:
+        spec = replace(spec, name=model, factory=None, options={})
     hub_data = HubData(labeled.images, labeled.labels, *((validation.images, validation.labels) if validation else ()))
     hub = entry.hub(opts, spec, hub_data, device, seed, rounds)
     silo = entry.silo(opts, spec, device) if entry.silo is not None else None
