@@ -135,6 +135,7 @@ class SiloSettings:
 
 DEFAULT_DELTA = 1e-5  # the ledger's delta without a policy (a policy states its own)
 _SAID_NO_POLICY = threading.Event()
+_TERMS_SAID: set[tuple[str, str]] = set()  # (run, terms hash) whose terms this process has logged
 
 
 def say_policy_once(log: logging.Logger, policy: BranchPolicy | None, state_dir: Path) -> None:
@@ -598,8 +599,10 @@ class SiloClient:
                               hub_fingerprint=self.hub_seen.fingerprint, terms_sha256=digest,
                               client_dp_noise=dp.noise_multiplier if guards_against_hub(dp) else None,
                               sample_dp=run.terms.sample_dp.enabled)
-        for line in describe(run.terms):
-            self.log.info("run %s terms: %s", run.run_id[:8], line)
+        if (run.run_id, digest) not in _TERMS_SAID:  # once per process and run: a silo-sim host has hundreds
+            _TERMS_SAID.add((run.run_id, digest))
+            for line in describe(run.terms):
+                self.log.info("run %s terms: %s", run.run_id[:8], line)
 
     def _leave(self, refusal: Refusal) -> None:
         """Record why, tell the hub (typed), note it in the ledger, and stop taking part (SiloLeft)."""

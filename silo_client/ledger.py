@@ -193,10 +193,11 @@ class BranchLedger:
         if self.path.exists():
             self._data = read_ledger(self.path)  # other deltas are fine: each run keeps its own
         else:
+            # Written at the first round charged or the first leave: a silo that spends nothing writes no ledger,
+            # and a silo-sim host's thousand silos pay for none at start.
             self._data = {"format": FORMAT, "delta": self.delta, "guarantees": GUARANTEES,
                           "composition": COMPOSITION, "runs": {}}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.path, self._data)
 
     # -- reading
     def _run(self, run_id: str) -> dict[str, Any]:
@@ -275,7 +276,9 @@ class BranchLedger:
             if not changed:
                 return
             run["changes"].append({"time": _now(), **changed})
-        self._commit(data)
+        # Kept in memory until the run's first round or leave is written with it: beginning a run spends nothing,
+        # and a silo-sim host's thousand silos joining write no file each.
+        self._data = data
 
     def record_round(self, run_id: str, round_number: int, *, client_dp_noise: float | None,
                      sample_epsilon: float | None, task: str = "") -> RunEpsilon:

@@ -26,15 +26,17 @@ def q1_epsilon(noise: float, rounds: int, delta: float = 1e-5) -> float:
     return acc.epsilon()
 
 
-def test_a_new_ledger_is_written_at_once_and_spends_nothing(tmp_path):
+def test_a_new_ledger_is_written_at_its_first_round_and_spends_nothing_before(tmp_path):
     ledger = BranchLedger(tmp_path / "state")
+    begin(ledger, "run-1")
+    assert not (tmp_path / "state" / LEDGER_FILE).exists()  # nothing spent yet: nothing written
+    assert ledger.run_epsilon("run-1") == RunEpsilon(None, None, 0.0)
+    ledger.record_round("run-1", 1, client_dp_noise=None, sample_epsilon=None, task="t1")
     data = json.loads((tmp_path / "state" / LEDGER_FILE).read_text())
-    assert (data["runs"], data["delta"]) == ({}, 1e-5)
+    assert (list(data["runs"]), data["delta"]) == (["run-1"], 1e-5)
     assert "holds against any hub" in data["guarantees"]["sample_dp"]["holds"]
     assert "minimum number of cohort silos add their noise honestly" in data["guarantees"]["client_dp"]["holds"]
-    begin(ledger, "run-1")
-    assert ledger.run_epsilon("run-1") == RunEpsilon(None, None, 0.0)
-    assert ledger.lifetime_epsilon() == 0.0 and ledger.lifetime_delta() == 0.0
+    assert data["runs"]["run-1"]["begun"] and data["runs"]["run-1"]["hub"]["serial"]
 
 
 def test_client_level_epsilon_is_the_gaussian_mechanism_at_q_1_per_contributed_round(tmp_path):
@@ -152,11 +154,12 @@ def test_a_tampered_round_is_refused(tmp_path):
 def test_begin_run_keeps_the_first_settings_and_records_changes(tmp_path):
     ledger = BranchLedger(tmp_path)
     begin(ledger, "run-1")
-    text = (tmp_path / LEDGER_FILE).read_text()
+    first = ledger.runs()["run-1"]
     begin(ledger, "run-1")
-    assert (tmp_path / LEDGER_FILE).read_text() == text  # idempotent: nothing written
+    assert ledger.runs()["run-1"] == first  # idempotent
     ledger.begin_run("run-1", hub_serial="9f", hub_fingerprint=FP, terms_sha256=TERMS, client_dp_noise=1.1,
                      sample_dp=False)
+    ledger.record_leave("run-1", "refused", "terms", "the settings are written with the run's first record")
     run = BranchLedger(tmp_path).runs()["run-1"]
     assert run["hub"] == {"serial": "1a2b", "fingerprint": FP}
     assert [{k: v for k, v in c.items() if k != "time"} for c in run["changes"]] == [
@@ -169,7 +172,7 @@ def test_leaving_before_a_run_began_and_unknown_runs(tmp_path):
     with pytest.raises(LedgerError, match=r"no run 'run-y'; call begin_run"):
         ledger.record_round("run-y", 1, client_dp_noise=1.1, sample_epsilon=None)
     begin(ledger, "run-x")
-    run = BranchLedger(tmp_path).runs()["run-x"]
+    run = ledger.runs()["run-x"]
     assert run["hub"]["serial"] == "1a2b" and run["changes"] == [] and run["rounds"] == []
     assert [(x["kind"], x["clause"]) for x in run["leaves"]] == [("refused", "dp.noise_multiplier")]
     with pytest.raises(LedgerError, match="client_dp_noise must be a positive number"):
