@@ -56,7 +56,7 @@ from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
 from silo_server.checkpoint import BEST_MODEL, load_best_round, save_best_model, write_model
 from silo_server.config import DataSource, HubConfig
-from silo_server.hub import CERT_WARN_DAYS, Hub
+from silo_server.hub import CERT_WARN_DAYS, Hub, HubSettings
 from silo_server.metrics import HubMetrics
 from silo_server.privacy import HubPrivacy
 from silo_server.servicer import FederationServer, FederationServicer
@@ -115,38 +115,22 @@ class HubApp:
         # left and why, refusals (once a minute per silo and reason), every checkpoint written. `silo-audit verify`
         # checks it as it checks a silo's.
         self.audit = AuditLog(Path(config.run.state_dir) / AUDIT_FILE)
-        r = config.rounds
         self.hub = Hub(
             self.algorithm,
+            HubSettings.from_config(config),
             state_dir=config.run.state_dir,
-            total_rounds=r.total,
             run_description=self.run_description(),
-            silos_per_round=r.silos_per_round,
-            silos_per_round_count=r.silos_per_round_count,
-            min_silos=r.min_silos,
-            quorum=r.quorum,
-            quorum_silos=r.quorum_silos,
-            deadline_s=r.deadline_s,
-            max_attempts=r.max_attempts,
-            wait_after_quorum_s=r.wait_after_quorum_s,
-            liveness_s=r.liveness_s,
-            max_upload_bytes=config.wire.max_upload_bytes,
-            max_inflight_upload_bytes=config.wire.max_inflight_upload_bytes,
-            max_update_norm=config.security.max_update_norm,
-            half_precision=config.wire.half_precision,
-            evaluate=self.evaluate if self.test is not None else None,
-            validate=self.validate if validation is not None else None,
-            seed=config.run.seed,
             privacy=HubPrivacy(config.privacy) if config.privacy.enabled else None,
-            audit=self.audit,
+            aggregation=config.aggregation,
             round_hyperparameters=({"sample_dp": config.privacy.sample_dp.hyperparameters()}
                                    if config.privacy.sample_dp.enabled else None),
-            aggregation=config.aggregation,
+            audit=self.audit,
+            evaluate=self.evaluate if self.test is not None else None,
+            validate=self.validate if validation is not None else None,
         )
-        self.hub.max_weight_factor = config.security.max_weight_factor
         if config.run.tensorboard is not None:  # one more sink of the round records (silo_server/sinks.py)
             self.hub.rounds.sinks.append(TensorBoardSink(Path(config.run.tensorboard) / self.hub.run_id,
-                                                         initial=lambda: self.hub.initial))
+                                                         initial=lambda: self.hub.records.initial))
         # The best round so far on the validation split; its model is kept in the state dir across restarts.
         self.best = (load_best_round(config.run.state_dir, self.hub.run_id) if validation is not None
                      else BestRound())
@@ -256,7 +240,7 @@ class HubApp:
             self.credentials = ReloadingServerCredentials(s.certs, on_load=self._hub_certificate_loaded)
         gate = self.make_gate()
         if gate.revocations is not None:  # a silo busy training is evicted from its round when it is revoked
-            self.hub.is_revoked = gate.revocations.is_revoked
+            self.hub.registry.is_revoked = gate.revocations.is_revoked
             if self.hub.privacy is not None:  # secure aggregation checks every silo's signed keys, as silos do
                 self.hub.privacy.verifier = PeerVerifier((Path(s.certs) / BUNDLE_CA).read_bytes(),
                                                          gate.revocations.is_revoked)
@@ -344,7 +328,7 @@ class HubApp:
 
     def _hub_certificate_loaded(self, cert_pem: bytes) -> None:
         cert = x509.load_pem_x509_certificate(cert_pem)
-        self.hub.cert_not_after["hub"] = cert.not_valid_after_utc
+        self.hub.registry.cert_not_after["hub"] = cert.not_valid_after_utc
         days = cert_days_left(cert_pem)
         level = logging.WARNING if days < CERT_WARN_DAYS else logging.INFO
         log.log(level, "hub certificate serial %x: expires in %.1f days (%s)%s", cert.serial_number, days,
@@ -381,11 +365,11 @@ class HubApp:
         # The checkpoint is loaded and verified before the port opens: a bad state folder stops the hub with one
         # line before any silo is served from it. A fresh run's initial training still comes after (in hub.run),
         # while the silos load their images.
-        if self.hub.state is None:
-            self.hub.load_state()
+        if self.hub.rounds.state is None:
+            self.hub.rounds.load_state()
         self.audit.append("run_start", run=self.hub.run_id, config_sha256=config_sha256(self.config),
                           terms_sha256=terms_sha256(self.hub.terms), protocol_version=PROTOCOL_VERSION,
-                          resumed_after_round=self.hub.state.round if self.hub.state is not None else 0)
+                          resumed_after_round=self.hub.rounds.state.round if self.hub.rounds.state is not None else 0)
         if self.server is None:
             self.start_server()
 
@@ -416,14 +400,14 @@ class HubApp:
     def _silos_still_waiting(self) -> bool:
         # After the final round every waiting silo hears DONE at once (its long-poll is answered); the hub stays
         # only until each live silo has heard it, or for server.linger_s at most.
-        return bool(self.hub.silos_not_told_done())
+        return bool(self.hub.registry.silos_not_told_done())
 
     # -------------------------------------------------------------- the result
     def export(self, state: HubState) -> Path:
         out = Path(self.config.run.state_dir)
         model = self.algorithm.served_model(state)
         weights = write_model(out / "model.safetensors", model)
-        final = self.hub.history[-1].scores if self.hub.history else Scores()
+        final = self.hub.records.history[-1].scores if self.hub.records.history else Scores()
         card = {
             "format": "silokit model card v1",
             "created": dt.datetime.now(dt.UTC).isoformat(),
@@ -445,12 +429,12 @@ class HubApp:
             "hub_labeled_images": len(self.labeled),
             "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled,
                           "skipped_images": r.skipped_images}
-                      for s, r in sorted(self.hub.silos.items())},
+                      for s, r in sorted(self.hub.registry.silos.items())},
             "final_metrics": final.to_json(),
             "best_round": self.best_round_card(),
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
             "initial_weights": self.initial_weights_card(),
-            "stopped_early": self.hub.stopped_reason or None,
+            "stopped_early": self.hub.rounds.stopped_reason or None,
             "privacy_terms": {"sha256": terms_sha256(self.hub.terms), "terms": terms_dict(self.hub.terms)},
             "silos_departed": {s: {k: d[k] for k in ("departure", "clause", "required", "offered", "message")}
                                for s, d in sorted(self.departures().items())},
@@ -473,7 +457,7 @@ class HubApp:
         if self.validation is None or not self.best.found or not path.is_file():
             return None
         # The round's test scores, unless a hub crash made it keep a model that the redone round did not beat.
-        scores = next((h.scores for h in self.hub.history if h.round == self.best.round
+        scores = next((h.scores for h in self.hub.records.history if h.round == self.best.round
                        and h.scores.validation_accuracy == self.best.accuracy), Scores())
         return {
             "round": self.best.round,

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"silos that refused or left run {app.hub.run_id[:8]} (the hub's audit):")
                 for silo, d in sorted(departed.items()):
                     print(f"  {silo}: {d['departure']} ({d['clause']}): {d['message']}")
-            resumed = app.hub.load_state()  # verified as a real start would, without training anything
+            resumed = app.hub.rounds.load_state()  # verified as a real start would, without training anything
             print(f"checkpoint: resumes after round {resumed.round}" if resumed is not None else
                   f"checkpoint: none in {config.run.state_dir}; the run starts with the hub's initial training")
             return 0
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if state.round < config.rounds.total:
             print(f"hub stopped after round {state.round}; start it again to resume from the checkpoint")
             return 0
-        last = app.hub.history[-1].scores if app.hub.history else Scores()
+        last = app.hub.records.history[-1].scores if app.hub.records.history else Scores()
         print(f"run finished after {state.round} rounds; test accuracy {nan_if_none(last.test_accuracy):.4f}; "
               f"model in {config.run.state_dir}/model.safetensors")
         if app.best.round:

@@ -176,7 +176,7 @@ class TaskIntake:
                     registry.count("weight_capped")
                     log.warning("round %d: silo %s's weight scaled by %.3g to the round's cap of %g (%g x the median "
                                 "declared images, security.max_weight_factor)", t.round, silo_id, factor, share_cap,
-                                self.rounds.max_weight_factor)
+                                self.rounds.settings.max_weight_factor)
             if t.privacy is not None:
                 try:
                     HubPrivacy.check_clear_upload(t.privacy, tensors)

@@ -3,7 +3,7 @@
 Two sources, no Prometheus code in the hub core:
 
 - State read at scrape time from the `Hub` object (round, phase, silos, counters of accepted/refused updates and
-  bytes, the latest `RoundRecord` in `hub.history`, certificate files). A restarted hub therefore shows the last
+  bytes, the latest `RoundRecord` in `hub.records.history`, certificate files). A restarted hub therefore shows the last
   checkpointed round's accuracy at once.
 - Events from the round loop's sinks (silo_server/sinks.py: one `RoundRecord` per completed round) feed the
   histograms and the counters that only make sense per completed round.
@@ -13,7 +13,7 @@ secure-aggregation layers; its fields become these metrics (None leaves a gauge 
 in use, or at the algorithm's static value):
 
     scores.test_accuracy, scores.test_loss   silokit_hub_test_accuracy_ratio, silokit_hub_test_loss
-    (hub.initial) test_accuracy              silokit_hub_initial_test_accuracy_ratio (before round 1)
+    (hub.records.initial) test_accuracy              silokit_hub_initial_test_accuracy_ratio (before round 1)
     scores.validation_accuracy               silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
                                              silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
@@ -201,15 +201,15 @@ class _HubStateCollector(Collector):
         hub = self.m.hub
         now = time.time()
         with hub.cond:
-            phase, round_now = hub.phase, hub.round
+            phase, round_now = hub.rounds.phase, hub.rounds.round
             silos = [(s, r.last_seen, r.rounds_contributed, r.num_unlabeled, r.skipped_images)
-                     for s, r in sorted(hub.silos.items())]
-            preparing = len(hub.preparing_silos())
-            counters, refusals = dict(hub.counters), dict(hub.refusals)
-            task = hub.task
+                     for s, r in sorted(hub.registry.silos.items())]
+            preparing = len(hub.registry.preparing_silos())
+            counters, refusals = dict(hub.registry.counters), dict(hub.registry.refusals)
+            task = hub.rounds.task
             live = (len(task.sampled), len(task.reported), task.attempt, list(task.plan.class_thresholds)) \
                 if task is not None and task.open else None
-        history = list(hub.history)
+        history = list(hub.records.history)
         last = history[-1] if history else RoundRecord(round=0)
         desc = hub.run_description
 
@@ -221,7 +221,8 @@ class _HubStateCollector(Collector):
                      round_now)
         yield _gauge("silokit_hub_rounds_completed", "Rounds applied so far in this run (checkpointed).",
                      last.round)
-        yield _gauge("silokit_hub_rounds_planned", "Rounds this run will take (rounds.total).", hub.total_rounds)
+        yield _gauge("silokit_hub_rounds_planned", "Rounds this run will take (rounds.total).",
+                     hub.settings.rounds.total_rounds)
         phases = _gauge("silokit_hub_phase", "1 for the hub's current phase, 0 for the others.", labels=["phase"])
         for p in dict.fromkeys((*PHASES, phase)):
             phases.add_metric([p], 1.0 if p == phase else 0.0)
@@ -235,7 +236,7 @@ class _HubStateCollector(Collector):
 
         # silos
         yield _gauge("silokit_hub_silos_enrolled", "Silos that joined this run since the hub started.", len(silos))
-        connected = [s for s in silos if now - s[1] <= hub.liveness_s]
+        connected = [s for s in silos if now - s[1] <= hub.registry.liveness_s]
         yield _gauge("silokit_hub_silos_connected", "Silos heard from within rounds.liveness_s.", len(connected))
         yield _gauge("silokit_hub_silos_preparing", "Connected silos still loading their images (not sampled yet).",
                      preparing)
@@ -306,7 +307,7 @@ class _HubStateCollector(Collector):
                      nan_if_none(tested[-1].test_loss) if tested else NAN)
         yield _gauge("silokit_hub_initial_test_accuracy_ratio", "Test accuracy of the initial model, trained on the "
                      "hub's labels alone before round 1, where the silos start from (0..1).",
-                     nan_if_none(hub.initial.test_accuracy))
+                     nan_if_none(hub.records.initial.test_accuracy))
         validated = [h.scores.validation_accuracy for h in history if h.scores.validation_accuracy is not None]
         best = BestRound.from_history(history)
         yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "
@@ -375,7 +376,7 @@ class _HubStateCollector(Collector):
         ends = self.m.round_ends
         for silo_id, seen, rounds, n_images, n_skipped in silos:
             last_seen.add_metric([silo_id], seen)
-            is_connected.add_metric([silo_id], 1.0 if now - seen <= hub.liveness_s else 0.0)
+            is_connected.add_metric([silo_id], 1.0 if now - seen <= hub.registry.liveness_s else 0.0)
             silent.add_metric([silo_id], len(ends) - bisect.bisect_right(ends, seen))
             contributed.add_metric([silo_id], rounds)
             images.add_metric([silo_id], n_images)

@@ -198,9 +198,6 @@ class RoundLoop:
         if self.rule.needs_updates:
             log.info("aggregation.rule %s: each round's updates wait in their own files under %s until the round "
                      "ends", self.aggregation.rule, records.state_dir / "round-updates")
-        # Weighted runs: no silo carries more than this many times the median images declared by the round's
-        # sampled silos (security.max_weight_factor).
-        self.max_weight_factor = 4.0
         self.rss_meter = RssMeter()
         # The search for a silo that breaks the secure sum (silo_server/breaker.py), and whether the hub has said
         # it cannot search (no spare silos).
@@ -409,7 +406,8 @@ class RoundLoop:
             )
             if self.rule.needs_updates:
                 task.updates = UpdateStore(self.records.state_dir / "round-updates" / task.task_id)
-            task.weight_caps = validation.weight_cap(self.registry.weights(sampled), self.max_weight_factor)
+            task.weight_caps = validation.weight_cap(self.registry.weights(sampled),
+                                                     self.settings.max_weight_factor)
             need = self.quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.registry.silos),

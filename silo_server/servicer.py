@@ -202,12 +202,12 @@ class _Slot:
         peer = await s._admit(self.context)
         if self.check_session:
             try:
-                s.hub.check_session(peer.silo_id, peer.serial)
+                s.hub.registry.check_session(peer.silo_id, peer.serial)
             except Refusal as r:
                 await s._abort(self.context, r)
         refused = s.limits.acquire(peer.silo_id, self.method)
         if refused is not None:
-            s.hub.count_refusal(refused.reason, peer.silo_id)
+            s.hub.registry.count_refusal(refused.reason, peer.silo_id)
             if refused.pause_s > 0:  # no thread is held: the call waits on the event loop
                 try:
                     await asyncio.sleep(refused.pause_s)
@@ -221,7 +221,7 @@ class _Slot:
             await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                      f"too many calls open from silo {peer.silo_id} ({refused.text}); wait for the "
                                      "open one to finish")
-        s.hub.count(f"calls:{self.method}")  # what silos ask of the hub, by call (silokit_hub_calls_total)
+        s.hub.registry.count(f"calls:{self.method}")  # what silos ask of the hub, by call (silokit_hub_calls_total)
         self.peer = peer
         return peer
 
@@ -267,17 +267,17 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             peer = self.gate.admit(context)
         except AccessDenied as denied:
             if denied.reason == "revoked" and denied.silo_id:
-                self.hub.evict(denied.silo_id)  # never sampled again, and out of its round at once
+                self.hub.rounds.evict(denied.silo_id)  # never sampled again, and out of its round at once
             who = validation.printable(denied.silo_id or f"unidentified peer {context.peer()}", 140)
             # Counted every time, logged once a minute per peer and reason: a revoked silo that keeps calling
             # cannot fill the log.
             reason, text = denied.reason, validation.printable(denied.message, 300)
-            self.hub.count_refusal(reason, denied.silo_id)
+            self.hub.registry.count_refusal(reason, denied.silo_id)
             self.hub.registry.burst.warn((who, reason), lambda n: (
                 f"refused {reason} from {who}: {text}" + (f" ({n} such calls since the last line)" if n > 1 else "")))
             await context.abort(getattr(grpc.StatusCode, denied.code), denied.message)
         if peer.not_after is not None:
-            self.hub.cert_not_after[peer.silo_id] = peer.not_after
+            self.hub.registry.cert_not_after[peer.silo_id] = peer.not_after
         return peer
 
     @staticmethod
@@ -290,7 +290,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             silo_id = peer.silo_id
             try:
                 # The fields the hub core does not see are checked here; the rest in Hub.join.
-                self.hub.validate(silo_id, lambda: validation.check_client_info(
+                self.hub.registry.validate(silo_id, lambda: validation.check_client_info(
                     request.client_version, [*request.capabilities, *request.features]))
                 desc = await self._run(lambda: self.hub.join(
                     silo_id, int(request.num_unlabeled), int(request.num_labeled), request.device,
@@ -373,11 +373,12 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             try:
                 first = await asyncio.wait_for(next_message(), self.header_timeout_s)
             except TimeoutError:
-                r = self.hub.refuse(silo_id, "DEADLINE_EXCEEDED", "stream_idle",
+                r = self.hub.registry.refuse(silo_id, "DEADLINE_EXCEEDED", "stream_idle",
                                     f"no upload header within {self.header_timeout_s:g} s of opening the upload")
                 await self._abort(context, r)
             if first is None or first.WhichOneof("part") != "header":
-                r = self.hub.refuse(silo_id, "INVALID_ARGUMENT", "no_header", "upload must start with an UploadHeader")
+                r = self.hub.registry.refuse(silo_id, "INVALID_ARGUMENT", "no_header",
+                                             "upload must start with an UploadHeader")
                 await self._abort(context, r)
             h = first.header
             header = {
@@ -408,7 +409,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                 try:
                     self.hub.upload(silo_id, header, chunks())
                 except validation.Invalid as e:  # from the chunk stream, outside the hub's own checks
-                    raise self.hub.refuse(silo_id, e.code, e.reason, e.message) from None
+                    raise self.hub.registry.refuse(silo_id, e.code, e.reason, e.message) from None
 
             try:
                 await self._run(upload)

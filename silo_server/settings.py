@@ -1,11 +1,16 @@
-"""The hub's settings, grouped by the part that uses them (HubApp fills them from hub.yaml through Hub's keywords)."""
+"""The hub's settings, grouped by the part that uses them; HubSettings.from_config fills them from hub.yaml and Hub is
+built from them."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from silo_core.tensors import TensorSpec
+
+if TYPE_CHECKING:
+    from silo_server.config import HubConfig
 
 HALF_MIN_ELEMENTS = 1024
 
@@ -25,6 +30,9 @@ class RoundSettings:
     max_attempts: int = 5
     seed: int = 0
     wait_after_quorum_s: float | None = None  # None: twice the round's median report time, at least 10 s
+    # Weighted runs: no silo carries more than this many times the median images declared by the round's sampled
+    # silos (security.max_weight_factor).
+    max_weight_factor: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,28 @@ class WireLimits:
     max_inflight_upload_bytes: int = 64 << 20
     max_update_norm: float | None = None
     half_precision: bool = False
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """All hub.yaml says about how the hub runs rounds and takes calls: the rounds (RoundLoop), the uploads
+    (TaskIntake) and when a silo counts as gone (SiloRegistry)."""
+
+    rounds: RoundSettings
+    wire: WireLimits = field(default_factory=WireLimits)
+    liveness_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, config: HubConfig) -> HubSettings:
+        r, w = config.rounds, config.wire
+        return cls(
+            RoundSettings(r.total, r.silos_per_round, r.silos_per_round_count, r.min_silos, r.quorum, r.quorum_silos,
+                          r.deadline_s, r.max_attempts, config.run.seed, r.wait_after_quorum_s,
+                          config.security.max_weight_factor),
+            WireLimits(w.max_upload_bytes, w.max_inflight_upload_bytes, config.security.max_update_norm,
+                       w.half_precision),
+            r.liveness_s,
+        )
 
 
 def wire_specs(expected: dict[str, TensorSpec], half: bool) -> dict[str, TensorSpec]:

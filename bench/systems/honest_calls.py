@@ -61,7 +61,7 @@ def run(folder: Path, privacy: dict) -> dict[str, float]:
         t.join(30)
     for c in clients:
         c.close()
-    counters = dict(app.hub.counters)
+    counters = dict(app.hub.registry.counters)
     return {m: counters.get(f"calls:{m}", 0) / SILOS / ROUNDS for m in METHODS}
 
 

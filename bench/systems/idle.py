@@ -35,7 +35,7 @@ from security.gate import PeerGate  # noqa: E402
 from silo.v1 import silo_pb2, silo_pb2_grpc  # noqa: E402
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan  # noqa: E402
 from silo_core.models import ModelSpec  # noqa: E402
-from silo_server.hub import Hub  # noqa: E402
+from silo_server.hub import Hub, HubSettings, RoundSettings  # noqa: E402
 from silo_server.servicer import FederationServer, FederationServicer  # noqa: E402
 
 RUN = {"algorithm": "idle", "model": "small_cnn", "num_classes": 10, "in_channels": 1, "image_size": 28,
@@ -66,7 +66,8 @@ class NoRounds(HubAlgorithm):
 def serve(pki_dir: Path, long_poll_s: float, port_file: Path) -> None:
     """The hub: the real servicer and gate over mutual TLS; no round is ever opened."""
     bundle = pki_dir / "hub"
-    hub = Hub(NoRounds(), state_dir=pki_dir / "state", total_rounds=1, run_description=RUN, liveness_s=600)
+    hub = Hub(NoRounds(), HubSettings(RoundSettings(total_rounds=1), liveness_s=600), state_dir=pki_dir / "state",
+              run_description=RUN)
     gate = PeerGate(revocations=RevocationList(bundle / "crl.pem", bundle / "ca.pem"))
     server = FederationServer(FederationServicer(hub, long_poll_s, 1 << 16, gate), options=[
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000), ("grpc.keepalive_permit_without_calls", 1)])

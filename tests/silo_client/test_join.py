@@ -41,7 +41,7 @@ def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) 
     real_load = client._load
 
     def load_and_look(run):
-        seen_while_loading.update(live=app.hub.live_silos(), preparing=app.hub.preparing_silos())
+        seen_while_loading.update(live=app.hub.registry.live_silos(), preparing=app.hub.registry.preparing_silos())
         return real_load(run)
 
     client._load = load_and_look
@@ -50,8 +50,8 @@ def test_a_silo_is_not_sampled_while_it_loads_and_reports_what_loaded(tmp_path) 
         assert seen_while_loading == {"live": [], "preparing": ["dev-1"]}
         # First the file count, then what loaded: 5 images, the broken file skipped.
         assert joins == [(True, 6, 0), (False, 5, 1)]
-        assert app.hub.live_silos() == ["dev-1"] and app.hub.preparing_silos() == []
-        record = app.hub.silos["dev-1"]
+        assert app.hub.registry.live_silos() == ["dev-1"] and app.hub.registry.preparing_silos() == []
+        record = app.hub.registry.silos["dev-1"]
         assert (record.num_unlabeled, record.skipped_images, record.ready) == (5, 1, True)
         # A second join (after a hub restart, say) has nothing to load: one Join, ready at once.
         client._join()
@@ -65,16 +65,16 @@ def test_the_hub_waits_for_a_preparing_silo_before_it_samples(tmp_path) -> None:
     hub = make_hub(tmp_path, min_silos=2)
     hub.join("a", 10, 0, "cpu")
     hub.join("b", 10, 0, "cpu", preparing=True)
-    assert (hub.live_silos(), hub.preparing_silos()) == (["a"], ["b"])
+    assert (hub.registry.live_silos(), hub.registry.preparing_silos()) == (["a"], ["b"])
     thread, out = start_round(hub)
     assert hub.next_task("a", hub.run_id, wait_s=1.0).kind == "WAIT"  # b is loading: no round yet
     hub.join("b", 9, 0, "cpu", skipped_images=1)
     tasks = {s: wait_task(hub, s) for s in ("a", "b")}
-    assert tasks["a"].task_id == tasks["b"].task_id and len(hub.task.sampled) == 2
+    assert tasks["a"].task_id == tasks["b"].task_id and len(hub.rounds.task.sampled) == 2
     for silo, task in tasks.items():
         upload(hub, silo, task, result(1.0))
     thread.join(timeout=10)
-    assert out["state"].round == 1 and hub.history[-1].silos_reported == 2
+    assert out["state"].round == 1 and hub.records.history[-1].silos_reported == 2
 
 
 def test_rehearsal_leaves_the_random_state_alone_and_takes_a_single_image() -> None:
@@ -100,7 +100,7 @@ def test_a_silo_told_to_load_when_sampled_joins_ready_on_its_file_count_and_load
     try:
         client._join()
         # One Join, ready at once, on the count of files; nothing decoded, no algorithm built yet.
-        assert joins == [(False, 6, 0)] and app.hub.live_silos() == ["dev-1"]
+        assert joins == [(False, 6, 0)] and app.hub.registry.live_silos() == ["dev-1"]
         assert client.data is None and client.algorithm is None
         client._load_if_deferred()  # what its first TRAIN or RECEIVE task does first
         assert (len(client.data.images), client.skipped_images) == (5, 1) and client.algorithm is not None
@@ -108,7 +108,8 @@ def test_a_silo_told_to_load_when_sampled_joins_ready_on_its_file_count_and_load
         # The next join (a hub restart, say) declares what loaded; the hub keeps the lower count.
         client._join()
         assert joins[1:] == [(False, 5, 1)]
-        assert (app.hub.silos["dev-1"].num_unlabeled, app.hub.silos["dev-1"].declared_images) == (5, 5)
+        dev = app.hub.registry.silos["dev-1"]
+        assert (dev.num_unlabeled, dev.declared_images) == (5, 5)
     finally:
         client.close()
         app.stop(0)

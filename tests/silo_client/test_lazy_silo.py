@@ -54,7 +54,7 @@ def test_a_silo_reading_from_disk_trains_and_counts_a_file_that_breaks(tmp_path)
     assert client.rounds_done == [1, 2]  # the broken file did not stop the silo
     assert client.skipped_images == 1 and client.data.images.skipped[0][0] == str(folder / "05.png")
     assert samples(families)[("silokit_silo_unreadable_images", (("silo", "dev-1"),))] == 1
-    rounds = app.hub.history
+    rounds = app.hub.records.history
     assert [r.algorithm.get("pseudo_label_ratio") for r in rounds] == [1.0, 1.0]  # 11 of 11 readable images
     assert [r.silos_reported for r in rounds] == [1, 1]
 

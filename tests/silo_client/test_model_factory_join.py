@@ -64,7 +64,7 @@ def test_a_silo_that_names_the_factory_builds_it_and_joins_ready(hub, tmp_path) 
     try:
         client._join()
         assert client.algorithm.model_spec.factory == TINY
-        assert app.hub.live_silos() == ["dev-1"]
+        assert app.hub.registry.live_silos() == ["dev-1"]
     finally:
         client.close()
 

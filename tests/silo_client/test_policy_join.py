@@ -75,7 +75,7 @@ def test_a_run_short_of_the_policy_is_refused_at_join_before_any_image_is_read(t
         assert (left.value.refusal.clause, str(left.value)) == (clause, line)
         assert joins == [(True, 0, 0)]  # one Join, preparing, telling the hub nothing of the branch's data
         assert app.hub.registry.departures == {("refused", clause): 1}
-        assert app.hub.live_silos() == [] and "dev-1" in app.departures()
+        assert app.hub.registry.live_silos() == [] and "dev-1" in app.departures()
         assert audit_kinds(client.state_dir) == ["join", "terms", "leave"]
         assert verify_chain(client.state_dir / AUDIT_FILE).ok
         ledger = json.loads((client.state_dir / LEDGER_FILE).read_text())
@@ -98,7 +98,7 @@ def test_a_silo_of_the_previous_protocol_is_refused_by_a_hub_whose_run_has_priva
         assert err.value.details() == ("this run's privacy terms need silokit wire protocol 2 (typed_terms); silo "
                                        "dev-1 speaks protocol 1 (silokit before 0.2.0): install silokit 0.2.0 or "
                                        "newer at the branch")
-        assert app.hub.refusals == {"old_protocol": 1} and app.hub.silos == {}
+        assert app.hub.registry.refusals == {"old_protocol": 1} and app.hub.registry.silos == {}
     finally:
         app.stop()
 
@@ -132,7 +132,7 @@ def test_a_task_that_raises_the_pinned_clip_makes_the_silo_leave_and_the_hub_cou
         if record.round == 1:
             app.hub.privacy.dp.clip_norm = 3.0
 
-    app.hub.on_round = downgrade
+    app.hub.rounds.on_round = downgrade
     thread, _ = run_in_thread(app)
     try:
         with pytest.raises(SiloLeft) as left:

@@ -57,7 +57,7 @@ def run_federation(tmp_path, every_round: bool):
         for t in threads:
             t.join(30)
         assert not any(t.is_alive() for t in threads)
-        return app.hub.history
+        return app.hub.records.history
     finally:
         for c in clients:
             c.stop_event.set()

@@ -52,20 +52,20 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=weight)]
     for s in silos:
         s.start()
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     runner = threading.Thread(target=lambda: _run_quietly(hub, state), daemon=True)
     runner.start()
-    _wait(lambda: hub.counters.get("rounds_failed", 0) >= 1)
+    _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
     hub.stop()
     runner.join(10)
-    assert hub.history == [] and hub.refusals.get("bad_aggregate") == 1
+    assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate") == 1
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "securely aggregated sum of 5 silos was refused" in failure and words in failure, failure
 
 
 def _run_quietly(hub, state):
     try:
-        hub.run_round(state)
+        hub.rounds.run_round(state)
     except InterruptedError:
         pass
 
@@ -83,11 +83,12 @@ def test_a_secure_aggregation_breaker_among_six_honest_silos_is_quarantined_and_
     assert hub.registry.quarantine.names() == {"s6"}
     entry = hub.registry.quarantine.entries()["s6"]
     assert 1 <= entry.attempts <= 5 and entry.round <= 3
-    assert hub.counters["rounds_failed"] <= 5
+    assert hub.registry.counters["rounds_failed"] <= 5
     assert any(r.levelno == logging.WARNING and "silo s6 is quarantined" in r.getMessage() for r in caplog.records)
-    assert "s6" not in hub.live_silos()
-    applied = [r for r in hub.history if r.secagg is not None]
-    assert all(r.secagg.contributors >= 3 for r in applied) and hub.history[-1].silos_sampled == 6  # s6 left out
+    assert "s6" not in hub.registry.live_silos()
+    applied = [r for r in hub.records.history if r.secagg is not None]
+    assert all(r.secagg.contributors >= 3 for r in applied)
+    assert hub.records.history[-1].silos_sampled == 6  # s6 left out
     # Every applied round's model moved by the honest silos' delta alone: no round took the breaker's input.
     assert torch.allclose(state.tensors["model/x"], torch.full((D,), 0.03), atol=0.01)
 

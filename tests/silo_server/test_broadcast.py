@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from silo_server.hub import Hub, Refusal
+from silo_server.hub import Refusal
 from tests.conftest import wait_for
+from tests.silo_server.hubs import build_hub
 from tests.silo_server.test_hub import MeanOfSilos, result, start_round, upload, wait_task
 
 # test_hub.make_hub's settings, with a deadline no round here comes near: a round that waited for a silo outside
@@ -22,10 +23,10 @@ class BroadcastingMean(MeanOfSilos):
 
 
 def two_of_four(tmp_path, algorithm):
-    hub = Hub(algorithm, **{**HUB_SETTINGS, "state_dir": tmp_path})
+    hub = build_hub(algorithm, **{**HUB_SETTINGS, "state_dir": tmp_path})
     for s in ("a", "b", "c", "d"):
         hub.join(s, 10, 0, "cpu")
-    hub.sampling = dataclasses.replace(hub.sampling, count=2)
+    hub.rounds.sampling = dataclasses.replace(hub.rounds.sampling, count=2)
     return hub
 
 
@@ -33,7 +34,7 @@ def test_silos_outside_the_sample_receive_the_model_once_and_send_nothing(tmp_pa
     hub = two_of_four(tmp_path, BroadcastingMean())
     thread, out = start_round(hub)
     views = {s: hub.next_task(s, hub.run_id, wait_s=5) for s in "abcd"}
-    task = hub.task
+    task = hub.rounds.task
     sampled = sorted(task.sampled)
     receiver, idle = sorted(set("abcd") - task.sampled)
     assert {s: v.kind for s, v in views.items()} == {**dict.fromkeys(sampled, "TRAIN"),
@@ -57,23 +58,23 @@ def test_silos_outside_the_sample_receive_the_model_once_and_send_nothing(tmp_pa
     thread.join(30)
     assert not thread.is_alive()
     assert out["state"].tensors["model/x"].tolist() == [2.0, 2.0, 2.0]  # the receiver's 100 is nowhere
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert (record.silos_sampled, record.silos_reported, record.silos_received) == (2, 2, 1)
     assert record.bytes_down == 3 * len(bundle) and record.bytes_down_received == len(bundle)
-    assert hub.refusals == {"not_sampled": 1}
+    assert hub.registry.refusals == {"not_sampled": 1}
 
 
 def test_without_broadcast_a_silo_outside_the_sample_waits_and_may_not_download(tmp_path):
     hub = two_of_four(tmp_path, MeanOfSilos())
     thread, out = start_round(hub)
     with hub.cond:
-        assert hub.cond.wait_for(lambda: hub.task is not None, timeout=10)
-    sampled = sorted(hub.task.sampled)
+        assert hub.cond.wait_for(lambda: hub.rounds.task is not None, timeout=10)
+    sampled = sorted(hub.rounds.task.sampled)
     outsider = sorted(set("abcd") - set(sampled))[0]
-    bundle = hub.task.bundle
+    bundle = hub.rounds.task.bundle
     assert hub.next_task(outsider, hub.run_id, wait_s=0.2).kind == "WAIT"
     with pytest.raises(Refusal) as refused:
-        hub.download(outsider, hub.run_id, hub.task.task_id)
+        hub.download(outsider, hub.run_id, hub.rounds.task.task_id)
     assert refused.value.code == "PERMISSION_DENIED" and refused.value.reason == "not_sampled"
     for s in sampled:
         view = wait_task(hub, s)
@@ -81,7 +82,7 @@ def test_without_broadcast_a_silo_outside_the_sample_waits_and_may_not_download(
         upload(hub, s, view, result(2.0))
     thread.join(30)
     assert out["state"].tensors["model/x"].tolist() == [2.0, 2.0, 2.0]
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.silos_received is None and record.bytes_down_received is None
     assert record.bytes_down == 2 * len(bundle)
 
@@ -103,7 +104,7 @@ def test_a_receiver_may_still_download_while_the_round_aggregates_and_is_counted
     hub = two_of_four(tmp_path, algorithm)
     thread, out = start_round(hub)
     views = {s: hub.next_task(s, hub.run_id, wait_s=5) for s in "abcd"}
-    task = hub.task
+    task = hub.rounds.task
     late, never = sorted(set("abcd") - task.sampled)
     for s in sorted(task.sampled):
         upload(hub, s, views[s], result(1.0))
@@ -114,7 +115,7 @@ def test_a_receiver_may_still_download_while_the_round_aggregates_and_is_counted
     assert refused.value.reason == "stale_task"
     algorithm.release.set()
     thread.join(30)
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.silos_received == 1 and record.bytes_down_received == len(task.bundle)
     with pytest.raises(Refusal) as refused:  # once the round's record is written, nothing more goes out
         hub.download(never, hub.run_id, views[never].task_id)

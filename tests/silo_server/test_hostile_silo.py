@@ -61,7 +61,7 @@ def _wait(predicate, timeout=30.0):
 
 def test_under_uniform_averaging_a_weight_other_than_one_is_refused(tmp_path):
     hub = make_hub(tmp_path)
-    hub.algorithm = UniformMean()
+    hub.rounds.algorithm = UniformMean()
     hub.join("a", 10**9, 0, "cpu")  # declares a billion images
     hub.join("b", 10, 0, "cpu")
     thread, out = start_round(hub)
@@ -75,7 +75,7 @@ def test_under_uniform_averaging_a_weight_other_than_one_is_refused(tmp_path):
     _send(hub, "b", tb, {"delta/x": torch.full((3,), 3.0), "weight": torch.ones(1)})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert (record.silos_reported, record.silos_dropped, record.attempt) == (2, 0, 1)
 
 
@@ -85,7 +85,7 @@ def test_a_silos_declared_images_are_fixed_at_first_join_and_its_share_is_capped
     for s in ("b", "c", "d"):
         hub.join(s, 10, 0, "cpu")
     hub.join("d", 10**9, 0, "cpu")  # a re-join cannot raise the count
-    assert hub.silos["d"].declared_images == 10
+    assert hub.registry.silos["d"].declared_images == 10
     assert "keeps the 10 it declared first" in caplog.text
     thread, out = start_round(hub)
     tasks = {s: wait_task(hub, s) for s in ("big", "b", "c", "d")}
@@ -97,10 +97,10 @@ def test_a_silos_declared_images_are_fixed_at_first_join_and_its_share_is_capped
     _send(hub, "b", tasks["b"], {"delta/x": torch.full((3,), 10 * 1.0), "weight": torch.tensor([10.0])})
     _send(hub, "c", tasks["c"], {"delta/x": torch.full((3,), 10 * 1.0), "weight": torch.tensor([10.0])})
     thread.join(10)
-    assert hub.counters["weight_capped"] == 1
+    assert hub.registry.counters["weight_capped"] == 1
     # (40 * 10 + 10 * 1 + 10 * 1) / 60 = 7, where the uncapped mean would be (10000 + 20) / 1020 = 9.82
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 7.0))
-    assert hub.history[-1].algorithm["n"] == 3.0
+    assert hub.records.history[-1].algorithm["n"] == 3.0
 
 
 def test_sums_stay_in_float64():
@@ -133,15 +133,15 @@ def _secagg_round(tmp_path, hostile_silo, max_update_norm=None):
     params = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=2.0)
     hub = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6,
                max_update_norm=max_update_norm)
-    hub.algorithm = UniformMeanD()
+    hub.rounds.algorithm = UniformMeanD()
     silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [hostile_silo(hub)]
     for s in silos:
         s.start()
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
 
     def run_round():
         try:
-            hub.run_round(state)
+            hub.rounds.run_round(state)
         except InterruptedError:  # the test stops the hub while it retries
             pass
 
@@ -157,20 +157,20 @@ def _secagg_round(tmp_path, hostile_silo, max_update_norm=None):
 def test_under_secure_aggregation_the_hub_refuses_a_sum_no_honest_silos_could_send(tmp_path, caplog, attack, bound,
                                                                                     words):
     hub, runner = _secagg_round(tmp_path, lambda h: HostileSecAggSilo(h, "s4", 0.0, **attack), bound)
-    _wait(lambda: hub.counters.get("rounds_failed", 0) >= 1)
+    _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
     hub.stop()
     runner.join(10)
-    assert hub.history == [] and hub.refusals.get("bad_aggregate") == 1
+    assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate") == 1
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "securely aggregated sum of 5 silos was refused" in failure and words in failure
 
 
 def test_honest_silos_under_secure_aggregation_pass_the_sum_checks(tmp_path):
     hub, runner = _secagg_round(tmp_path, lambda h: Silo(h, "s4", 0.01), max_update_norm=1.0)
-    _wait(lambda: hub.history)
+    _wait(lambda: hub.records.history)
     hub.stop()
     runner.join(10)
-    assert hub.history[0].secagg.contributors == 5 and "bad_aggregate" not in hub.refusals
+    assert hub.records.history[0].secagg.contributors == 5 and "bad_aggregate" not in hub.registry.refusals
 
 
 # -------------------------------------------------------------------------------------------- one session each
@@ -181,17 +181,17 @@ def test_a_second_certificate_for_a_live_silo_is_refused_and_logged(tmp_path, ca
     hub.join("a", 10, 0, "cpu", serial=0x111)
     refusal = _refused(lambda: hub.join("a", 10**6, 0, "cpu", serial=0x222))
     assert (refusal.code, refusal.reason) == ("ALREADY_EXISTS", "second_certificate")
-    assert hub.silos["a"].serial == 0x111 and hub.silos["a"].declared_images == 10
+    assert hub.registry.silos["a"].serial == 0x111 and hub.registry.silos["a"].declared_images == 10
     assert any(r.levelno == logging.WARNING and "second certificate for silo a" in r.getMessage()
                for r in caplog.records)
     # its other calls are refused too, while the first session's go through
-    assert _refused(lambda: hub.check_session("a", 0x222)).reason == "second_certificate"
-    hub.check_session("a", 0x111)
+    assert _refused(lambda: hub.registry.check_session("a", 0x222)).reason == "second_certificate"
+    hub.registry.check_session("a", 0x111)
     # once the first session is gone (a renewed certificate after a restart), the new serial takes over
-    hub.silos["a"].last_seen = time.time() - 2 * hub.liveness_s
+    hub.registry.silos["a"].last_seen = time.time() - 2 * hub.registry.liveness_s
     hub.join("a", 10, 0, "cpu", serial=0x222)
-    assert hub.silos["a"].serial == 0x222
-    assert _refused(lambda: hub.check_session("a", 0x111)).reason == "second_certificate"
+    assert hub.registry.silos["a"].serial == 0x222
+    assert _refused(lambda: hub.registry.check_session("a", 0x111)).reason == "second_certificate"
 
 
 # ------------------------------------------------------------------------------------------------ stall the run
@@ -200,7 +200,7 @@ def test_a_second_certificate_for_a_live_silo_is_refused_and_logged(tmp_path, ca
 def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
     hub = make_hub(tmp_path, min_silos=3, quorum=0.5, deadline_s=600)
     revoked: set[int] = set()
-    hub.is_revoked = revoked.__contains__
+    hub.registry.is_revoked = revoked.__contains__
     for i, s in enumerate(("a", "b", "c")):
         hub.join(s, 10, 0, "cpu", serial=i + 1)
     thread, out = start_round(hub)
@@ -211,10 +211,10 @@ def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
     revoked.add(3)  # c is busy training (no call the gate could refuse) when its certificate is revoked
     thread.join(30)
     assert not thread.is_alive() and time.time() - started < 10  # not the 600 s deadline
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert (record.silos_sampled, record.silos_reported, record.attempt) == (3, 2, 1)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
-    assert "c" not in hub.live_silos()
+    assert "c" not in hub.registry.live_silos()
 
 
 class AbortingSilo(Silo):
@@ -247,7 +247,7 @@ def test_secure_aggregation_survives_an_abort_and_the_abort_reason_cannot_forge_
         s.join(5)
     # 4 sampled survive 1 dropout (k = 3, t = 2), and the stage did not wait out its 30 s for the silo that left
     assert state.round == 1 and time.time() - started < 25
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.secagg.contributors == 3 and record.secagg.threshold == 2
     assert torch.allclose(state.tensors["model/x"], torch.full((D,), 0.25), atol=1e-3)  # mean of 0, 0.25, 0.5
     assert (record.silos_reported, record.silos_dropped) == (3, 1)
@@ -259,7 +259,7 @@ def test_secure_aggregation_survives_an_abort_and_the_abort_reason_cannot_forge_
 
 def test_refusal_messages_quoting_a_silo_are_escaped_and_cut(tmp_path, caplog):
     hub = make_hub(tmp_path)
-    refusal = hub.refuse("a", "INVALID_ARGUMENT", "bad_request", "stage 'x\nFAKE: round 99 done'" + "y" * 1000)
+    refusal = hub.registry.refuse("a", "INVALID_ARGUMENT", "bad_request", "stage 'x\nFAKE: round 99 done'" + "y" * 1000)
     assert "\n" not in refusal.message and "\\nFAKE" in refusal.message and len(refusal.message) <= 303
     assert all("\n" not in r.getMessage() for r in caplog.records)
 
@@ -299,9 +299,9 @@ def test_a_restarted_hub_keeps_each_silos_first_declared_count(tmp_path):
         _send(hub, s, wait_task(hub, s), {"delta/x": torch.ones(3), "weight": torch.ones(1)})
     thread.join(10)
     restarted = make_hub(tmp_path, min_silos=2)
-    assert restarted.load_state().round == 1
+    assert restarted.rounds.load_state().round == 1
     restarted.join("a", 10**9, 0, "cpu")  # after the restart it claims more
-    assert restarted.silos["a"].declared_images == 10
+    assert restarted.registry.silos["a"].declared_images == 10
 
 
 def test_the_hub_knows_when_every_live_silo_has_heard_the_run_is_over(tmp_path):
@@ -313,11 +313,11 @@ def test_the_hub_knows_when_every_live_silo_has_heard_the_run_is_over(tmp_path):
     for s in ("a", "b"):
         _send(hub, s, wait_task(hub, s), {"delta/x": torch.ones(3), "weight": torch.ones(1)})
     runner.join(10)
-    assert hub.phase == "done" and hub.silos_not_told_done() == ["a", "b"]
+    assert hub.rounds.phase == "done" and hub.registry.silos_not_told_done() == ["a", "b"]
     assert hub.next_task("a", hub.run_id, wait_s=5).kind == "DONE"
-    assert hub.silos_not_told_done() == ["b"]  # the app lingers only for b now, not for server.linger_s
+    assert hub.registry.silos_not_told_done() == ["b"]  # the app lingers only for b now, not for server.linger_s
     hub.next_task("b", hub.run_id, wait_s=5)
-    assert hub.silos_not_told_done() == []
+    assert hub.registry.silos_not_told_done() == []
 
 
 def test_refusal_status_comes_from_the_exception_type_not_its_wording():

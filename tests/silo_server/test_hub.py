@@ -16,7 +16,8 @@ from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.checkpoint import load_latest
-from silo_server.hub import Hub, Refusal
+from silo_server.hub import Refusal
+from tests.silo_server.hubs import build_hub
 
 
 class MeanOfSilos(HubAlgorithm):
@@ -45,7 +46,7 @@ class MeanOfSilos(HubAlgorithm):
 def make_hub(tmp_path, **kw):
     defaults = dict(state_dir=tmp_path, total_rounds=3, run_description={"algorithm": "mean"}, min_silos=2,
                     quorum=1.0, deadline_s=5.0, liveness_s=60.0)
-    return Hub(MeanOfSilos(), **{**defaults, **kw})
+    return build_hub(MeanOfSilos(), **{**defaults, **kw})
 
 
 def upload(hub, silo, task, tensors, round_=None, skipped=False, metrics=None):
@@ -61,9 +62,9 @@ def result(value):
 
 
 def start_round(hub):
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     out = {}
-    thread = threading.Thread(target=lambda: out.setdefault("state", hub.run_round(state)), daemon=True)
+    thread = threading.Thread(target=lambda: out.setdefault("state", hub.rounds.run_round(state)), daemon=True)
     thread.start()
     return thread, out
 
@@ -87,7 +88,7 @@ def test_a_round_sums_every_sampled_silo_and_checkpoints(tmp_path):
     thread.join(10)
     state = out["state"]
     assert torch.allclose(state.tensors["model/x"], torch.full((3,), 2.0))
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.round == 1 and record.silos_reported == 2 and record.algorithm == {"n": 2.0}
     assert record.evaluation_seconds is None and record.silo_train_seconds is None  # no test set, no such metric
     assert record.scores == Scores() and record.dp is None and record.secagg is None
@@ -107,10 +108,10 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     hub = make_hub(tmp_path)
     for s in ("a", "b", "c"):
         hub.join(s, 10, 0, "cpu")
-    hub.sampling = dataclasses.replace(hub.sampling, count=2)
+    hub.rounds.sampling = dataclasses.replace(hub.rounds.sampling, count=2)
     thread, out = start_round(hub)
     time.sleep(0.3)
-    task = hub.task
+    task = hub.rounds.task
     sampled = sorted(task.sampled)
     outsider = ({"a", "b", "c"} - set(sampled)).pop()
     first = sampled[0]
@@ -135,7 +136,8 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
     upload(hub, sampled[1], wait_task(hub, sampled[1]), result(4.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0))
-    assert hub.refusals == {"not_sampled": 1, "bad_tensors": 1, "non_finite": 1, "wrong_round": 1, "duplicate": 1}
+    assert hub.registry.refusals == {"not_sampled": 1, "bad_tensors": 1, "non_finite": 1, "wrong_round": 1,
+                                     "duplicate": 1}
     with pytest.raises(Refusal) as stale:
         upload(hub, first, view, result(2.0))
     assert stale.value.code == "FAILED_PRECONDITION"
@@ -151,14 +153,14 @@ def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying
     time.sleep(1.5)
     # b dropped out of attempt 1: it is not sampled again until it asks for work again
     assert hub.next_task("a", hub.run_id, wait_s=1.0).kind == "WAIT"
-    assert hub.counters["rounds_failed"] == 1 and hub.counters["below_quorum"] == 1
+    assert hub.registry.counters["rounds_failed"] == 1 and hub.registry.counters["below_quorum"] == 1
     second_b, second_a = wait_task(hub, "b"), wait_task(hub, "a")
     assert second_a.task_id != first.task_id
     upload(hub, "a", second_a, result(1.0))
     upload(hub, "b", second_b, result(3.0))
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # attempt 1's 10.0 is gone
-    assert hub.history[-1].attempt == 2
+    assert hub.records.history[-1].attempt == 2
 
 
 def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
@@ -170,9 +172,9 @@ def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
     upload(hub, "b", wait_task(hub, "b"), result(4.0), metrics={"train_seconds": 3.0})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 4.0))
-    assert hub.history[-1].silos_skipped == 1
+    assert hub.records.history[-1].silos_skipped == 1
     # A skipping silo trained too (it found nothing to send only afterwards): its time counts in the mean.
-    assert hub.history[-1].silo_train_seconds == pytest.approx(2.0)
+    assert hub.records.history[-1].silo_train_seconds == pytest.approx(2.0)
 
 
 def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
@@ -185,8 +187,8 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     thread.join(10)
     again = make_hub(tmp_path)
     assert again.run_id == hub.run_id
-    state = again.resume_or_init()
-    assert state.round == 1 and again.history == hub.history
+    state = again.rounds.resume_or_init()
+    assert state.round == 1 and again.records.history == hub.records.history
     with pytest.raises(Refusal) as info:
         again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
     assert info.value.code == "FAILED_PRECONDITION"
@@ -200,7 +202,7 @@ def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tm
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, _ = start_round(hub)
-    assert hub.initial == Scores(test_accuracy=0.0, validation_accuracy=0.0)  # scored before any silo trained
+    assert hub.records.initial == Scores(test_accuracy=0.0, validation_accuracy=0.0)  # scored before any silo trained
     for s in ("a", "b"):
         upload(hub, s, wait_task(hub, s), result(0.5))
     thread.join(10)
@@ -210,8 +212,8 @@ def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tm
     assert (record.round, record.scores) == (1, Scores(test_accuracy=0.5, validation_accuracy=0.5))
     assert 0 <= record.evaluation_seconds <= record.round_seconds
     again = make_hub(tmp_path, evaluate=score, validate=score)
-    again.resume_or_init()
-    assert again.initial == hub.initial  # not re-scored from the resumed model
+    again.rounds.resume_or_init()
+    assert again.records.initial == hub.records.initial  # not re-scored from the resumed model
 
 
 class TwoGroups(MeanOfSilos):
@@ -244,7 +246,7 @@ def grouped(**groups):
 
 
 def test_grouped_plan_accepts_whole_groups_and_refuses_a_part_of_one(tmp_path):
-    hub = Hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=2,
+    hub = build_hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=2,
               quorum=1.0, deadline_s=5.0, max_update_norm=10.0)
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
@@ -260,9 +262,9 @@ def test_grouped_plan_accepts_whole_groups_and_refuses_a_part_of_one(tmp_path):
         with pytest.raises(Refusal) as refused:
             upload(hub, "a", ta, tensors)
         assert refused.value.code == "INVALID_ARGUMENT" and message in refused.value.message, refused.value.message
-    assert hub.task.sums.tensors == {}
+    assert hub.rounds.task.sums.tensors == {}
     with pytest.raises(validation.Invalid, match="none of the planned"):  # a result that is not skipped holds one
-        validation.check_update({}, hub.task.plan.expected, groups=hub.task.plan.groups)
+        validation.check_update({}, hub.rounds.task.plan.expected, groups=hub.rounds.task.plan.groups)
     # Site a trained only model a (3 samples, mean delta 1); site b trained both (1 sample each, delta 5 and 2).
     upload(hub, "a", ta, grouped(a=(3, 1.0)))
     upload(hub, "b", tb, grouped(a=(1, 5.0), b=(1, 2.0)))
@@ -270,7 +272,7 @@ def test_grouped_plan_accepts_whole_groups_and_refuses_a_part_of_one(tmp_path):
     state = out["state"]
     assert torch.allclose(state.tensors["model/a"], torch.full((2,), 2.0))  # (3*1 + 1*5) / 4
     assert torch.allclose(state.tensors["model/b"], torch.full((2,), 2.0))
-    assert sum(hub.refusals.values()) == len(cases)
+    assert sum(hub.registry.refusals.values()) == len(cases)
 
 
 def test_half_precision_declares_large_float_tensors_as_float16_and_keeps_counts_exact():
@@ -308,11 +310,11 @@ def test_uploads_beyond_the_in_flight_budget_wait_their_turn_and_none_is_lost(tm
     assert a_is_streaming.wait(5)
     b.start()
     time.sleep(0.5)
-    assert b.is_alive() and hub.upload_budget.held == one_upload  # b waits while a holds the whole budget
+    assert b.is_alive() and hub.intake.upload_budget.held == one_upload  # b waits while a holds the whole budget
     let_a_finish.set()
     a.join(5), b.join(5)
     thread.join(10)
-    assert hub.upload_budget.peak == one_upload and hub.upload_budget.held == 0
+    assert hub.intake.upload_budget.peak == one_upload and hub.intake.upload_budget.held == 0
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # both uploads summed
 
 
@@ -333,7 +335,7 @@ def test_an_announced_size_beyond_the_planned_tensors_is_refused_before_reading(
     with pytest.raises(Refusal) as info:
         hub.upload("a", header, chunks())
     assert info.value.code == "RESOURCE_EXHAUSTED" and "planned tensors" in info.value.message
-    assert read == [] and hub.upload_budget.held == 0 and hub.refusals == {"oversized": 1}
+    assert read == [] and hub.intake.upload_budget.held == 0 and hub.registry.refusals == {"oversized": 1}
     upload(hub, "a", task, result(1.0))  # the refusal cost silo a nothing: its real upload still counts
     upload(hub, "b", wait_task(hub, "b"), result(3.0))
     thread.join(10)
@@ -370,7 +372,7 @@ def test_once_the_quorum_reported_a_silent_or_refused_silo_holds_the_round_only_
     thread.join(30)
     waited = time.time() - started
     assert not thread.is_alive() and 1.0 <= waited < 10  # 1 s past the quorum, not the 600 s deadline
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.silos_left_out == ("c",) and 0.9 <= record.quorum_wait_seconds < 5
     assert (record.silos_sampled, record.silos_reported, record.silos_dropped) == (3, 2, 1)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))

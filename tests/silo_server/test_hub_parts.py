@@ -14,11 +14,12 @@ from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores
 from silo_core.tensors import TensorSpec
 from silo_server.aggregate import RunningSum
+from silo_server.config import parse_config
 from silo_server.privacy import HubPrivacy, PrivacySection, RoundFailed, RoundHooks
 from silo_server.registry import ChangeCondition, Refusal, SiloRegistry
 from silo_server.round_loop import RoundLoop
 from silo_server.scoring import RunRecords
-from silo_server.settings import RoundSettings
+from silo_server.settings import HubSettings, RoundSettings, WireLimits
 
 
 class HubOnly(HubAlgorithm):
@@ -104,3 +105,23 @@ def test_privacy_completes_a_round_from_the_task_and_hooks_alone():
     task.reported = {"a"}
     with pytest.raises(RoundFailed, match="1 of 2 sampled silos reported, below quorum 2"):
         privacy.complete(task, 2, hooks)
+
+
+def test_hub_settings_take_every_round_wire_and_liveness_key_from_hub_yaml():
+    config = parse_config({
+        "data": {"labeled": {"kind": "demo"}},
+        "run": {"seed": 7},
+        "rounds": {"total": 9, "silos_per_round_count": 4, "min_silos": 3, "quorum": 0.75, "deadline_s": 90,
+                   "max_attempts": 2, "wait_after_quorum_s": 12, "liveness_s": 30},
+        "wire": {"max_upload_bytes": 4 << 20, "max_inflight_upload_bytes": 2 << 20, "half_precision": True},
+        "security": {"max_update_norm": 5.0, "max_weight_factor": 2.5},
+    })
+    settings = HubSettings.from_config(config)
+    assert settings == HubSettings(
+        RoundSettings(total_rounds=9, silos_per_round=1.0, silos_per_round_count=4, min_silos=3, quorum=0.75,
+                      quorum_silos=None, deadline_s=90.0, max_attempts=2, seed=7,
+                      wait_after_quorum_s=12.0, max_weight_factor=2.5),
+        WireLimits(max_upload_bytes=4 << 20, max_inflight_upload_bytes=2 << 20, max_update_norm=5.0,
+                   half_precision=True),
+        liveness_s=30.0,
+    )

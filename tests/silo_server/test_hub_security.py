@@ -31,13 +31,13 @@ def _refused(call) -> Refusal:
 
 def snapshot(hub: Hub) -> tuple:
     """Everything an upload could change (except the silos' last_seen, which any call refreshes)."""
-    t = hub.task
+    t = hub.rounds.task
     silos = {s: (r.num_unlabeled, r.num_labeled, r.device, r.skipped_images, r.rounds_contributed)
-             for s, r in hub.silos.items()}
+             for s, r in hub.registry.silos.items()}
     task = None if t is None else (
         t.task_id, t.round, t.open, frozenset(t.reported), frozenset(t.skipped), frozenset(t.downloaded), t.bytes_up,
         t.bytes_down, {k: v.clone() for k, v in t.sums.tensors.items()}, dict(t.sums.metrics), t.sums.contributors)
-    return hub.round, hub.phase, len(hub.history), silos, task
+    return hub.rounds.round, hub.rounds.phase, len(hub.records.history), silos, task
 
 
 def same(a: tuple, b: tuple) -> bool:
@@ -57,13 +57,13 @@ class OpenRound:
         self.hub = make_hub(tmp_path, min_silos=3, deadline_s=600, max_update_norm=hostile.MAX_NORM, **kw)
         for s in ("a", "b", "c"):
             self.hub.join(s, hostile.IMAGES, 0, "cpu")
-        self.hub.sampling = dataclasses.replace(self.hub.sampling, count=2)
+        self.hub.rounds.sampling = dataclasses.replace(self.hub.rounds.sampling, count=2)
         self.thread, self.out = start_round(self.hub)
         for _ in range(100):
-            if self.hub.task is not None:
+            if self.hub.rounds.task is not None:
                 break
             time.sleep(0.05)
-        self.task = self.hub.task
+        self.task = self.hub.rounds.task
         self.sampled = sorted(self.task.sampled)
         self.outsider = ({"a", "b", "c"} - set(self.sampled)).pop()
         self.view = wait_task(self.hub, self.sampled[0])
@@ -94,8 +94,8 @@ def test_a_silo_cannot_download_or_upload_for_a_round_it_was_not_sampled_for(tmp
     _upload(hub, r.sampled[0], header, iter_chunks(payload, 16))
     second = _refused(lambda: _upload(hub, r.sampled[0], header, iter_chunks(payload, 16)))
     assert (second.code, second.reason) == ("ALREADY_EXISTS", "duplicate")
-    assert hub.task.reported == {r.sampled[0]}
-    assert hub.refusals == {"not_sampled": 2, "not_joined": 1, "duplicate": 1}
+    assert hub.rounds.task.reported == {r.sampled[0]}
+    assert hub.registry.refusals == {"not_sampled": 2, "not_joined": 1, "duplicate": 1}
 
 
 def test_update_norm_is_measured_per_unit_weight_against_the_bound(tmp_path) -> None:
@@ -110,7 +110,7 @@ def test_update_norm_is_measured_per_unit_weight_against_the_bound(tmp_path) -> 
     weighted = {"delta/x": torch.tensor([6.0, 8.0, 0.1]), "weight": torch.tensor([2.0])}
     header, payload = hostile.valid_upload(hub.run_id, view.task_id, 1, weighted)
     _upload(hub, r.sampled[0], header, iter_chunks(payload, 16))
-    assert hub.task.reported == {r.sampled[0]}
+    assert hub.rounds.task.reported == {r.sampled[0]}
 
 
 def test_weight_must_be_positive_and_at_most_the_declared_images(tmp_path) -> None:
@@ -123,7 +123,7 @@ def test_weight_must_be_positive_and_at_most_the_declared_images(tmp_path) -> No
         refusal = _refused(lambda header=header, payload=payload: _upload(hub, r.sampled[0], header,
                                                                         iter_chunks(payload, 16)))
         assert refusal.reason == "bad_weight" and words in refusal.message
-    assert hub.refusals == {"bad_weight": 3}
+    assert hub.registry.refusals == {"bad_weight": 3}
 
 
 def test_join_and_ids_are_bounded(tmp_path) -> None:
@@ -132,11 +132,11 @@ def test_join_and_ids_are_bounded(tmp_path) -> None:
                         ((1, 0, "x" * 65), "device"), ((1, 0, "cpu\nFAKE LOG LINE"), "device")):
         refusal = _refused(lambda args=args: hub.join("a", *args))
         assert refusal.code == "INVALID_ARGUMENT" and field in refusal.message
-    assert hub.silos == {}
+    assert hub.registry.silos == {}
     hub.join("a", 5, 0, "cuda:0")
     for call in (lambda: hub.next_task("a", "r" * 129, 0), lambda: hub.download("a", hub.run_id, "t\n")):
         assert _refused(call).reason == "bad_request"
-    assert hub.refusals == {"bad_request": 6}
+    assert hub.registry.refusals == {"bad_request": 6}
 
 
 def test_a_stream_still_running_when_the_round_closes_is_refused(tmp_path) -> None:
@@ -160,13 +160,13 @@ def test_a_stream_still_running_when_the_round_closes_is_refused(tmp_path) -> No
 def test_certificate_expiry_is_kept_as_days_left_and_revoked_silos_are_not_sampled(tmp_path) -> None:
     hub = make_hub(tmp_path)
     now = dt.datetime.now(dt.UTC)
-    hub.cert_not_after.update({"hub": now + dt.timedelta(days=30), "a": now + dt.timedelta(hours=12)})
-    days = hub.cert_days_left
+    hub.registry.cert_not_after.update({"hub": now + dt.timedelta(days=30), "a": now + dt.timedelta(hours=12)})
+    days = hub.registry.cert_days_left
     assert days["hub"] == pytest.approx(30, abs=1e-3) and days["a"] == pytest.approx(0.5, abs=1e-3)
     hub.join("a", 1, 0, "cpu")
     hub.join("b", 1, 0, "cpu")
-    hub.evict("a")
-    assert hub.live_silos() == ["b"] and "a" in hub.silos
+    hub.rounds.evict("a")
+    assert hub.registry.live_silos() == ["b"] and "a" in hub.registry.silos
 
 
 # ------------------------------------------------------------------------------------------------------ fuzzing
@@ -188,14 +188,14 @@ def test_fuzz_hostile_uploads_are_always_refused_and_change_nothing(open_round: 
     header, payload = hostile.valid_upload(hub.run_id, view.task_id, 1)
     attack = data.draw(hostile.hostile_upload(header, payload), label="attack")
     silo = data.draw(st.sampled_from(open_round.sampled + [open_round.outsider]), label="silo")
-    before, refusals = snapshot(hub), sum(hub.refusals.values())
+    before, refusals = snapshot(hub), sum(hub.registry.refusals.values())
     refusal = _refused(lambda: _upload(hub, silo, attack.header, attack.chunks))
     assert refusal.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "PERMISSION_DENIED")
     expected = attack.reasons | ({"not_sampled"} if silo == open_round.outsider else set())
     assert refusal.reason in expected, (refusal.reason, refusal.message, hostile.describe(attack))
     assert refusal.message and len(refusal.message) < 300  # names the problem without echoing the input
     assert same(before, snapshot(hub)), hostile.describe(attack)
-    assert sum(hub.refusals.values()) == refusals + 1
+    assert sum(hub.registry.refusals.values()) == refusals + 1
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,14 @@ def test_dev_mode_listens_on_loopback_only_says_so_and_takes_declared_ids(tmp_pa
                                          insecure_dev_silo_id="dev-1"))
         try:
             client._join()
-            assert client.silo_id == "dev-1" and set(app.hub.silos) == {"dev-1"}
+            assert client.silo_id == "dev-1" and set(app.hub.registry.silos) == {"dev-1"}
         finally:
             client.close()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as info:
                 silo_pb2_grpc.FederationStub(channel).Join(silo_pb2.JoinRequest(device="cpu"), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert app.hub.refusals == {"no_identity": 1}
+        assert app.hub.registry.refusals == {"no_identity": 1}
     finally:
         app.stop(0)
 

@@ -43,7 +43,7 @@ def test_defaults_and_a_hub_reading_its_labels_from_disk(tmp_path):
     assert _worker_start().get_start_method() in ("forkserver", "spawn")
     app.start_server()
     try:
-        state = app.hub.resume_or_init()  # the initial ServerUpdate and static BN read the files
+        state = app.hub.rounds.resume_or_init()  # the initial ServerUpdate and static BN read the files
         scores = app.evaluate(state)
     finally:
         app.stop(0)

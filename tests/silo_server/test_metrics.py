@@ -40,7 +40,7 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
     hub = make_hub(tmp_path / "hub", run_description={"algorithm": "mean", "num_classes": 3,
                                                       "algorithm_options": {"tau": 0.9}})
     seen = []
-    hub.on_round = seen.append  # an existing callback keeps working
+    hub.rounds.on_round = seen.append  # an existing callback keeps working
     m = HubMetrics(hub)
     before = samples(m)
     assert before[("silokit_hub_phase", (("phase", "starting"),))] == 1
@@ -70,7 +70,7 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
         upload(hub, "a", ta, result(1.0))  # duplicate: refused and counted
     upload(hub, "b", tb, {}, skipped=True)
     thread.join(timeout=10)
-    assert out["state"].round == 1 and [e.round for e in seen] == [1] and seen == hub.history
+    assert out["state"].round == 1 and [e.round for e in seen] == [1] and seen == hub.records.history
 
     after = samples(m)
     assert after[("silokit_hub_rounds_completed", ())] == 1
@@ -84,9 +84,9 @@ def test_a_round_shows_up_in_round_silo_traffic_and_refusal_metrics(tmp_path):
     assert after[("silokit_hub_round_duration_seconds_count", ())] == 1
     assert after[("silokit_hub_aggregation_duration_seconds_count", ())] == 1
     # The round's checkpoint write is timed in its record, in history.json and in the histogram.
-    assert hub.history[0].checkpoint_seconds is not None and hub.history[0].checkpoint_seconds > 0
+    assert hub.records.history[0].checkpoint_seconds is not None and hub.records.history[0].checkpoint_seconds > 0
     saved = json.loads((tmp_path / "hub" / "history.json").read_text())["rounds"][0]
-    assert saved["checkpoint_seconds"] == hub.history[0].checkpoint_seconds
+    assert saved["checkpoint_seconds"] == hub.records.history[0].checkpoint_seconds
     assert after[("silokit_hub_checkpoint_duration_seconds_count", ())] == 1
     assert after[("silokit_hub_checkpoint_duration_seconds_sum", ())] == pytest.approx(saved["checkpoint_seconds"])
     assert after[("silokit_hub_silos_enrolled", ())] == 2 and after[("silokit_hub_silos_connected", ())] == 2
@@ -123,7 +123,7 @@ def test_round_records_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
             aggregation_seconds=0.2, evaluation_seconds=0.4, silo_train_seconds=1.5 * r, silos_sampled=3,
             silos_reported=2, silos_dropped=1, dp=charged, secagg=secagg,
             algorithm={threshold_metric(0): 0.91, threshold_metric(1): 0.85})
-        hub.history.append(record)
+        hub.records.history.append(record)
         for sink in hub.rounds.sinks[1:]:  # every sink but history.json, as the round loop hands it on
             sink.round_done(record)
     s = samples(m)
@@ -155,8 +155,8 @@ def test_a_dp_run_through_the_hub_core_exports_the_epsilon_it_spent_and_its_budg
     for silo in silos:
         silo.join(5)
     s = samples(m)
-    assert [r.round for r in hub.history] == [1, 2]
-    assert s[("silokit_hub_dp_epsilon_spent", ())] == hub.history[-1].dp.epsilon == hub.privacy.dp.epsilon() > 0
+    assert [r.round for r in hub.records.history] == [1, 2]
+    assert s[("silokit_hub_dp_epsilon_spent", ())] == hub.records.history[-1].dp.epsilon == hub.privacy.dp.epsilon() > 0
     assert s[("silokit_hub_dp_epsilon_budget", ())] == 20.0 and s[("silokit_hub_dp_delta", ())] == 1e-5
     assert s[("silokit_hub_aggregation_duration_seconds_count", ())] == 2  # timed under DP too
 
@@ -166,8 +166,8 @@ def test_the_initial_models_test_accuracy_is_exported_beside_the_last_rounds(tmp
     m = HubMetrics(hub)
     unscored = samples(m)[("silokit_hub_initial_test_accuracy_ratio", ())]
     assert unscored != unscored  # NaN: no test set, or not scored yet
-    hub.initial = Scores(test_accuracy=0.64, test_loss=1.07)
-    hub.history.append(RoundRecord(round=1, scores=Scores(test_accuracy=0.71)))
+    hub.records.initial = Scores(test_accuracy=0.64, test_loss=1.07)
+    hub.records.history.append(RoundRecord(round=1, scores=Scores(test_accuracy=0.71)))
     s = samples(m)
     assert s[("silokit_hub_initial_test_accuracy_ratio", ())] == pytest.approx(0.64)
     assert s[("silokit_hub_test_accuracy_ratio", ())] == pytest.approx(0.71)
@@ -181,7 +181,7 @@ def test_validation_rounds_feed_the_best_round_gauges(tmp_path):
     best = s[("silokit_hub_best_validation_accuracy_ratio", ())]
     assert best != best  # NaN
     for r, acc in ((1, 0.70), (2, 0.78), (3, 0.74), (4, 0.78), (5, 0.71)):
-        hub.history.append(RoundRecord(round=r, scores=Scores(validation_accuracy=acc)))
+        hub.records.history.append(RoundRecord(round=r, scores=Scores(validation_accuracy=acc)))
     s = samples(m)
     assert s[("silokit_hub_validation_accuracy_ratio", ())] == pytest.approx(0.71)
     assert s[("silokit_hub_best_round", ())] == 4  # a tie goes to the later round, as the hub keeps it
@@ -194,7 +194,7 @@ def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_pa
     hub.join("quiet", 5, 0, "cpu")
     hub.join("chatty", 5, 0, "cpu")
     for r in (1, 2, 3):
-        hub.silos["chatty"].last_seen = 1e12  # heard from after every round
+        hub.registry.silos["chatty"].last_seen = 1e12  # heard from after every round
         m.on_round(RoundRecord(round=r))
     s = samples(m)
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3

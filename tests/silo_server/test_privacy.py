@@ -17,6 +17,7 @@ from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.checkpoint import load_latest
 from silo_server.hub import Hub, Refusal
 from silo_server.privacy import HubPrivacy, PrivacySection
+from tests.silo_server.hubs import build_hub
 
 D = 4000
 
@@ -105,7 +106,7 @@ class Silo(threading.Thread):
 def make(tmp_path, section, rounds=1, **kw):
     defaults = dict(state_dir=tmp_path, total_rounds=rounds, run_description={"algorithm": "mean"}, min_silos=5,
                     quorum=0.6, deadline_s=20.0, liveness_s=60.0, seed=0)
-    return Hub(Mean(rounds), privacy=HubPrivacy(section, seed=0), **{**defaults, **kw})
+    return build_hub(Mean(rounds), privacy=HubPrivacy(section, seed=0), **{**defaults, **kw})
 
 
 SECAGG = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=1.0,
@@ -121,7 +122,7 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     state = hub.run()
     for s in silos:
         s.join(5)
-    secagg = hub.history[-1].secagg
+    secagg = hub.records.history[-1].secagg
     # complete graph on 5: k = 4, t = 3; s3 shared its keys then vanished: its pair masks were removed
     assert secagg.degree == 4 and secagg.threshold == 3
     assert secagg.u2 == 5 and secagg.u3 == 4 and secagg.contributors == 4 and secagg.recoveries == 1
@@ -131,7 +132,7 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     error = (state.tensors["model/x"] - mean).abs().max()
     level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
-    assert hub.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
+    assert hub.records.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
 
 
 class OversizedMaskedInput(Silo):
@@ -144,7 +145,7 @@ class OversizedMaskedInput(Silo):
     def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
         if stage != "masked_input":
             return super().send_stage(task_id, round_, stage, payload)
-        limit = HubPrivacy.stage_bytes(self.hub.task.privacy, stage)
+        limit = HubPrivacy.stage_bytes(self.hub.rounds.task.privacy, stage)
 
         def chunks():
             self.chunks_read += 1
@@ -167,9 +168,9 @@ def test_secure_aggregation_messages_wait_for_the_upload_budget_and_cannot_overs
         s.join(5)
     # Four masked inputs passed through the budget one at a time (two would not fit); the fifth was refused on its
     # header, before a byte of it was read, and the round went on without it.
-    assert 4 * D < hub.upload_budget.peak <= masked_bytes and hub.upload_budget.held == 0
+    assert 4 * D < hub.intake.upload_budget.peak <= masked_bytes and hub.intake.upload_budget.held == 0
     assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0  # it retried until the stage closed
-    assert hub.history[-1].secagg.u3 == 4 and hub.history[-1].secagg.contributors == 4
+    assert hub.records.history[-1].secagg.u3 == 4 and hub.records.history[-1].secagg.contributors == 4
     assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
 
 
@@ -188,7 +189,7 @@ def test_an_operators_smaller_upload_cap_still_bounds_secure_aggregation_message
         s.join(5)
     assert set(silos[4].refused) == {"oversized"} and silos[4].chunks_read == 0
     assert all(not s.refused for s in silos[:4])  # honest masked inputs fit under the cap
-    assert hub.history[-1].secagg.u3 == 4 and hub.history[-1].secagg.contributors == 4
+    assert hub.records.history[-1].secagg.u3 == 4 and hub.records.history[-1].secagg.contributors == 4
     assert float((state.tensors["model/x"] - 2.5).abs().max()) < 1e-3
 
 
@@ -203,20 +204,20 @@ def test_a_hub_restart_mid_protocol_reruns_the_round_with_fresh_keys(tmp_path):
     runner = threading.Thread(target=lambda: out.setdefault("state", first.run()), daemon=True)
     runner.start()
     wait = time.time() + 20
-    while time.time() < wait and not (first.task and first.task.privacy and first.task.privacy.outbox_stage
-                                      == "masked_input"):
+    while time.time() < wait and not ((t := first.rounds.task) and t.privacy
+                                      and t.privacy.outbox_stage == "masked_input"):
         time.sleep(0.005)
-    old_session = first.task.task_id
+    old_session = first.rounds.task.task_id
     first.stop()  # the hub dies with masked inputs on their way: the session was in memory only
     runner.join(5)
-    assert out["state"].round == 0 and first.history == []
+    assert out["state"].round == 0 and first.records.history == []
     second = make(tmp_path, section)
     assert second.run_id == first.run_id
     for s in silos:
         s.hub = second
         s.release.set()
     state = second.run()
-    assert state.round == 1 and second.history[-1].secagg.contributors == 5
+    assert state.round == 1 and second.records.history[-1].secagg.contributors == 5
     assert torch.allclose(state.tensors["model/x"], torch.full((D,), 2.0), atol=1e-4)  # mean of 0..4, once
     assert all(s.privacy.pending.get(old_session) is None for s in silos)
 
@@ -226,25 +227,25 @@ def test_below_threshold_the_round_is_retried_not_applied_and_the_hub_never_give
     silos = [Silo(hub, f"s{i}", 1.0, die_at="unmask" if i < 2 else None) for i in range(5)]
     for s in silos:
         s.start()
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     errors: list[BaseException] = []
 
     def run():
         try:
-            hub.run_round(state)
+            hub.rounds.run_round(state)
         except BaseException as err:  # noqa: BLE001 - the test reads what ended the round loop
             errors.append(err)
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     deadline = time.time() + 30
-    while hub.counters.get("rounds_failed", 0) < 1 and time.time() < deadline:
+    while hub.registry.counters.get("rounds_failed", 0) < 1 and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(1.5)  # past the first retry pause: the hub now waits for silos instead of stopping
-    assert hub.counters["rounds_failed"] == 1 and runner.is_alive() and not errors
-    assert hub.history == []  # nothing half-applied
+    assert hub.registry.counters["rounds_failed"] == 1 and runner.is_alive() and not errors
+    assert hub.records.history == []  # nothing half-applied
     # The two silos that died are not sampled again before they poll: 3 live, 4 needed for one dropout, 5 by config
-    assert hub.phase == "waiting_for_silos" and hub.live_silos() == ["s2", "s3", "s4"]
+    assert hub.rounds.phase == "waiting_for_silos" and hub.registry.live_silos() == ["s2", "s3", "s4"]
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "abandoned" in failure and "below quorum" not in failure  # the real cause, not a quorum count
     hub.stop()
@@ -266,11 +267,11 @@ def test_dp_epsilon_is_logged_checkpointed_resumed_and_stops_at_the_budget(tmp_p
     state = hub.run()
     for s in silos:
         s.join(5)
-    assert state.round == 2 and "privacy budget" in hub.stopped_reason  # a third round would exceed it
-    eps = [h.dp.epsilon for h in hub.history]
+    assert state.round == 2 and "privacy budget" in hub.rounds.stopped_reason  # a third round would exceed it
+    eps = [h.dp.epsilon for h in hub.records.history]
     assert eps[0] < eps[1] <= dp.epsilon_budget and eps[1] == pytest.approx(probe.epsilon())
     # distributed noise: each of 5 silos added N(0, (z C)^2 / 5); the mean of the 5 carries std z C / 5
-    first = hub.history[0].dp
+    first = hub.records.history[0].dp
     assert (first.noise_multiplier, first.sample_rate, first.clip_norm) == (z, 1.0, clip)
     assert (first.delta, first.epsilon_budget) == (dp.delta, dp.epsilon_budget)
     _, info = load_latest(tmp_path)
@@ -279,7 +280,7 @@ def test_dp_epsilon_is_logged_checkpointed_resumed_and_stops_at_the_budget(tmp_p
     again = make(tmp_path, section, rounds=5, quorum=1.0)
     resumed = again.run()  # the restarted hub continues the same count and stops at once
     assert resumed.round == 2 and again.privacy.dp.epsilon() == pytest.approx(eps[1])
-    assert "privacy budget" in again.stopped_reason
+    assert "privacy budget" in again.rounds.stopped_reason
 
 
 def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
@@ -304,7 +305,7 @@ def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
     state = hub.run()
     assert hub.privacy.dp.mode == "central"
     assert float((state.tensors["model/x"] - 0.75).std()) == pytest.approx(0.5 * 200.0 / 5, rel=0.06)
-    assert hub.history[0].dp.epsilon > 0 and hub.history[0].secagg is None
+    assert hub.records.history[0].dp.epsilon > 0 and hub.records.history[0].secagg is None
 
 
 def test_every_privacy_key_is_documented_and_validated():
@@ -348,7 +349,7 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
         silos = [Silo(hub, f"s{i}", 0.0) for i in range(3)]
         def round_until_stopped(h=hub):
             with pytest.raises(InterruptedError):
-                h.run_round(h.resume_or_init())
+                h.rounds.run_round(h.rounds.resume_or_init())
 
         thread = threading.Thread(target=round_until_stopped, daemon=True)
         thread.start()
@@ -357,7 +358,7 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
         task = silo_pb2.Task(task_id=view.task_id, round=view.round)
         with pytest.raises(Refusal, match=why) as refused:  # norm sqrt(4000) * 1.0 >> 1
             silos[0].send_result(task, {"delta/x": torch.full((D,), bad), "weight": torch.ones(1)}, {}, False)
-        assert refused.value.code == "FAILED_PRECONDITION" and hub.task.reported == set()
-        assert hub.refusals == {"privacy": 1}
+        assert refused.value.code == "FAILED_PRECONDITION" and hub.rounds.task.reported == set()
+        assert hub.registry.refusals == {"privacy": 1}
         hub.stop()
         thread.join(5)

@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from silo_core.rounds import AggregationRound, RoundRecord, records_from_json
 from silo_server.config import ConfigError, parse_config
-from silo_server.hub import Hub
 from silo_server.metrics import HubMetrics
 from silo_server.robust import (
     AggregationRefused,
@@ -22,6 +21,7 @@ from silo_server.robust import (
     fltrust_coefficients,
     krum_select,
 )
+from tests.silo_server.hubs import build_hub
 from tests.silo_server.test_hub import MeanOfSilos, TwoGroups, grouped, start_round, upload, wait_task
 
 
@@ -105,7 +105,7 @@ def test_grouped_results_are_aggregated_group_by_group(tmp_path):
 # ------------------------------------------------------------------ the hub
 def test_the_hub_applies_the_honest_median_keeps_updates_out_of_ram_and_deletes_them(tmp_path):
     seen = []
-    hub = Hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=3, run_description={"algorithm": "mean"},
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=3, run_description={"algorithm": "mean"},
               min_silos=5, quorum=1.0, deadline_s=10.0, aggregation=AggregationSection(rule="median"),
               on_round=seen.append)
     metrics = HubMetrics(hub, registry=CollectorRegistry())
@@ -118,13 +118,14 @@ def test_the_hub_applies_the_honest_median_keeps_updates_out_of_ram_and_deletes_
     folder = tmp_path / "round-updates" / tasks["s1"].task_id
     for count, s in enumerate(silos[:4], 1):
         upload(hub, s, tasks[s], {"delta/x": torch.full((3,), values[s]), "weight": torch.tensor([1.0])})
-        assert hub.task.sums.tensors == {} and hub.task.sums.contributors == count  # nothing summed in RAM ...
+        task = hub.rounds.task
+        assert task.sums.tensors == {} and task.sums.contributors == count  # nothing summed in RAM ...
         assert len(list(folder.glob("*.safetensors"))) == count  # ... each update is in its own file
     upload(hub, "evil", tasks["evil"], {"delta/x": torch.full((3,), values["evil"]), "weight": torch.tensor([1.0])})
     thread.join(10)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0))  # the honest silos' median
     assert not any((tmp_path / "round-updates").glob("*/*.safetensors"))  # deleted with the round
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.aggregation is not None and record.aggregation.rule == "median"
     assert "evil" in record.aggregation.excluded_silos
     assert records_from_json([record.to_json()]) == [record]
@@ -135,7 +136,7 @@ def test_the_hub_applies_the_honest_median_keeps_updates_out_of_ram_and_deletes_
 
 
 def test_the_hub_aggregates_each_group_of_a_grouped_algorithm(tmp_path):
-    hub = Hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=3,
+    hub = build_hub(TwoGroups(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "two"}, min_silos=3,
               quorum=1.0, deadline_s=10.0, aggregation=AggregationSection(rule="median"))
     for s in ("s1", "s2", "s3"):
         hub.join(s, 10, 0, "cpu")
@@ -150,16 +151,16 @@ def test_the_hub_aggregates_each_group_of_a_grouped_algorithm(tmp_path):
 
 
 def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_path):
-    hub = Hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
               min_silos=2, quorum=1.0, deadline_s=10.0, aggregation=AggregationSection(rule="krum"))
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     stopped = []
 
     def run():
         try:
-            hub.run_round(state)
+            hub.rounds.run_round(state)
         except InterruptedError:
             stopped.append(True)
 
@@ -169,10 +170,10 @@ def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_pat
     for s in ("a", "b"):
         upload(hub, s, tasks[s], {"delta/x": torch.ones(3), "weight": torch.tensor([1.0])})
     deadline = 50
-    while hub.failed_attempts == 0 and deadline:
+    while hub.rounds.failed_attempts == 0 and deadline:
         thread.join(0.1)
         deadline -= 1
-    assert hub.failed_attempts == 1 and hub.counters["rounds_failed"] == 1
+    assert hub.rounds.failed_attempts == 1 and hub.registry.counters["rounds_failed"] == 1
     assert not any((tmp_path / "round-updates").glob("*/*.safetensors"))
     hub.stop()
     thread.join(10)

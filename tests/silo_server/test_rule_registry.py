@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from silo_server.config import ConfigError, parse_config
-from silo_server.hub import Hub
 from silo_server.robust import AggregationSection, UpdateStore, aggregate
 from silo_server.rules import RULES, AggregationRule, Group, GroupResult, get_rule, register
+from tests.silo_server.hubs import build_hub
 from tests.silo_server.test_hub import MeanOfSilos, start_round, upload, wait_task
 
 
@@ -88,7 +88,7 @@ def geometric_median():
 
 def test_a_rule_registered_outside_the_package_runs_a_round_through_the_hub(tmp_path, geometric_median):
     assert get_rule("geometric_median").needs_updates  # the base's defaults: its updates are kept, no privacy
-    hub = Hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
               min_silos=5, quorum=1.0, deadline_s=10.0, aggregation=AggregationSection(rule="geometric_median"))
     silos = ["s1", "s2", "s3", "s4", "evil"]
     for s in silos:
@@ -98,11 +98,11 @@ def test_a_rule_registered_outside_the_package_runs_a_round_through_the_hub(tmp_
     values = {"s1": 1.0, "s2": 2.0, "s3": 3.0, "s4": 5.0, "evil": 1e6}
     for s in silos:
         upload(hub, s, tasks[s], {"delta/x": torch.full((3,), values[s]), "weight": torch.tensor([1.0])})
-        assert hub.task is None or hub.task.sums.tensors == {}  # kept in files, not summed
+        assert hub.rounds.task is None or hub.rounds.task.sums.tensors == {}  # kept in files, not summed
     thread.join(10)
     # On a line the geometric median is the median: 3, wherever the hostile silo puts its update.
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 3.0), atol=1e-3)
-    record = hub.history[-1]
+    record = hub.records.history[-1]
     assert record.aggregation is not None and record.aggregation.rule == "geometric_median"
     assert "evil" in record.aggregation.down_weighted_silos and record.aggregation.updates == 5
     assert not any((tmp_path / "round-updates").glob("*/*.safetensors"))

@@ -47,7 +47,7 @@ def wire(tmp_path_factory) -> Iterator[Wire]:
     hub_bundle = pki.issue_hub(ca, root / "hub")
     hub = make_hub(root / "state", run_description=RUN, min_silos=3, deadline_s=600,
                    max_update_norm=hostile.MAX_NORM, max_upload_bytes=1 << 20)
-    hub.sampling = dataclasses.replace(hub.sampling, count=2)
+    hub.rounds.sampling = dataclasses.replace(hub.rounds.sampling, count=2)
     gate = PeerGate(revocations=RevocationList(hub_bundle / "crl.pem", hub_bundle / "ca.pem"))
     # Hundreds of calls a second from one silo are the fuzzer's pace, not an attack to refuse here: no call rates
     # (tests/silo_server/test_servicer_limits.py tests them).
@@ -69,7 +69,7 @@ def wire(tmp_path_factory) -> Iterator[Wire]:
         task = stubs["a"].NextTask(silo_pb2.NextTaskRequest(run_id=hub.run_id), timeout=5)
         if task.kind != silo_pb2.Task.TRAIN:
             task = stubs["b"].NextTask(silo_pb2.NextTaskRequest(run_id=hub.run_id), timeout=5)
-    sampled = sorted(hub.task.sampled)
+    sampled = sorted(hub.rounds.task.sampled)
     w = Wire(hub, stubs, sampled, ({"a", "b", "c"} - set(sampled)).pop(), task)
     yield w
     # The server survived everything and still does its job: honest uploads over the wire finish the round.
@@ -94,11 +94,12 @@ def _messages(header: dict, chunks: list) -> list[silo_pb2.UploadMessage]:
 
 def _refused(hub: Hub, call) -> tuple[str, str]:
     """Make the call; it must fail. Returns (status code, the refusal reason the hub counted)."""
-    before = dict(hub.refusals)
+    before = dict(hub.registry.refusals)
     with pytest.raises(grpc.RpcError) as info:
         call()
-    counted = [r for r in hub.refusals if hub.refusals[r] != before.get(r, 0)]
-    assert len(counted) == 1 and hub.refusals[counted[0]] == before.get(counted[0], 0) + 1, (before, hub.refusals)
+    counted = [r for r in hub.registry.refusals if hub.registry.refusals[r] != before.get(r, 0)]
+    refusals = hub.registry.refusals
+    assert len(counted) == 1 and refusals[counted[0]] == before.get(counted[0], 0) + 1, (before, refusals)
     return info.value.code().name, counted[0]
 
 

@@ -68,11 +68,11 @@ def federation(tmp_path) -> Iterator[Federation]:
 
 def start_round(hub: Hub) -> threading.Thread:
     """Run round 1 in the background until it completes or the fixture stops the hub."""
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
 
     def run():
         try:
-            hub.run_round(state)
+            hub.rounds.run_round(state)
         except InterruptedError:
             pass
 
@@ -109,7 +109,7 @@ def test_one_silo_flooding_long_polls_gets_one_and_everyone_else_is_still_served
     assert honest.result().kind == silo_pb2.Task.WAIT
     health = health_pb2_grpc.HealthStub(f.channels["honest"])
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
-    assert f.servicer.limits.refused == {"attacker": 199} and f.hub.refusals["too_many_calls"] == 199
+    assert f.servicer.limits.refused == {"attacker": 199} and f.hub.registry.refusals["too_many_calls"] == 199
     burst = [r for r in caplog.records if "more calls open than allowed" in r.getMessage()]
     assert len(burst) == 1 and burst[0].levelno == logging.WARNING  # one line for the burst, not 199
     # the held one is answered (the hub opens a round: both silos are sampled) and its slot is freed
@@ -157,7 +157,7 @@ def test_an_upload_that_sends_no_header_or_stops_sending_is_cut(federation):
         f.stubs["attacker"].Upload(stalls(), timeout=30)
     gap.set()
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no chunk for 1 s" in info.value.details()
-    assert f.hub.refusals["stream_idle"] == 2 and f.hub.task.reported == set()
+    assert f.hub.registry.refusals["stream_idle"] == 2 and f.hub.rounds.task.reported == set()
 
 
 def test_an_idle_silo_is_held_until_there_is_work(federation):
@@ -168,7 +168,7 @@ def test_an_idle_silo_is_held_until_there_is_work(federation):
     other = _poll(f.stubs["attacker"], f.hub)
     time.sleep(2.0)
     assert not polls[0].done()  # held, not answered WAIT at once
-    assert f.hub.live_silos() == ["attacker", "honest"]  # a silo in a long-poll is live
+    assert f.hub.registry.live_silos() == ["attacker", "honest"]  # a silo in a long-poll is live
     start_round(f.hub)
     assert polls[0].result(timeout=10).kind == silo_pb2.Task.TRAIN  # answered when the round opened
     assert other.result(timeout=10).kind == silo_pb2.Task.TRAIN
@@ -194,7 +194,7 @@ def test_a_revoked_silo_that_keeps_calling_is_counted_each_time_and_logged_once(
     shutil.copy(f.ca / "crl.pem", f.hub_bundle / "crl.pem")
     codes = [_code(_poll(f.stubs["attacker"], f.hub, timeout=5)) for _ in range(30)]
     assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
-    assert f.hub.refusals["revoked"] == 30
+    assert f.hub.registry.refusals["revoked"] == 30
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused revoked from attacker")]
     assert len(lines) == 1  # not 30
 
@@ -255,7 +255,7 @@ def test_a_flood_of_calls_is_refused_at_its_rate_paused_logged_once_and_counted_
     assert refused >= 4 and len(codes) < 100 and codes.count(grpc.StatusCode.OK) <= 5 + 6
     assert waits and all(w is not None and w <= 1.0 for w in waits)  # each rate refusal says how long is left
     by_silo = f.hub.registry.refusals_by_silo
-    assert by_silo[("attacker", "call_rate")] == len(waits) == f.hub.refusals["call_rate"]
+    assert by_silo[("attacker", "call_rate")] == len(waits) == f.hub.registry.refusals["call_rate"]
     assert by_silo[("attacker", "call_rate")] + by_silo.get(("attacker", "too_many_calls"), 0) == refused
     lines = [r for r in caplog.records if "attacker" in r.getMessage()]
     assert len(lines) <= 3, [r.getMessage() for r in lines]  # one WARNING per reason for the burst, no join lines

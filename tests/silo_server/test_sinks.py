@@ -15,10 +15,11 @@ def _rounds(hub, n):
 
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     for r in range(1, n + 1):
         out = {}
-        thread = threading.Thread(target=lambda st=state, o=out: o.setdefault("state", hub.run_round(st)), daemon=True)
+        thread = threading.Thread(target=lambda st=state, o=out: o.setdefault("state", hub.rounds.run_round(st)),
+                                  daemon=True)
         thread.start()
         for s, value in (("a", 1.0 * r), ("b", 3.0 * r)):
             upload(hub, s, wait_task(hub, s), result(value))
@@ -33,7 +34,7 @@ def test_every_sink_gets_each_round_in_order_and_tensorboard_holds_the_records_n
     seen = []
     hub = make_hub(tmp_path / "state", on_round=lambda r: seen.append(("callback", r.round)))
     assert [type(s) for s in hub.rounds.sinks] == [HistoryFile]
-    board = TensorBoardSink(tmp_path / "tb" / hub.run_id, initial=lambda: hub.initial)
+    board = TensorBoardSink(tmp_path / "tb" / hub.run_id, initial=lambda: hub.records.initial)
     hub.rounds.sinks.append(board)
 
     class Recording:
@@ -53,7 +54,7 @@ def test_every_sink_gets_each_round_in_order_and_tensorboard_holds_the_records_n
     rounds = [s.step for s in events.Scalars("silos/reported")]
     assert rounds == [1, 2] and [s.value for s in events.Scalars("silos/reported")] == [2.0, 2.0]
     wire = [s.value for s in events.Scalars("wire/bytes_up")]
-    assert wire == [float(r.bytes_up) for r in hub.history]
+    assert wire == [float(r.bytes_up) for r in hub.records.history]
     assert [s.step for s in events.Scalars("time/round_seconds")] == [1, 2]
 
 

@@ -36,15 +36,16 @@ def hub_rounds(tmp_path, seed: int, rounds: int, **sampling) -> list[list[str]]:
     for name in reversed(NAMES):  # joined in another order than the in-process list: the draw must not care
         hub.join(name, 10, 0, "cpu")
     drawn: list[list[str]] = []
-    state = hub.resume_or_init()
+    state = hub.rounds.resume_or_init()
     for _ in range(rounds):
         out: dict = {}
-        thread = threading.Thread(target=lambda s=state, o=out: o.setdefault("state", hub.run_round(s)), daemon=True)
+        thread = threading.Thread(target=lambda s=state, o=out: o.setdefault("state", hub.rounds.run_round(s)),
+                                  daemon=True)
         thread.start()
         tasks = {}
-        while hub.task is None or hub.task.round != state.round + 1:
+        while hub.rounds.task is None or hub.rounds.task.round != state.round + 1:
             threading.Event().wait(0.02)
-        sampled = sorted(hub.task.sampled)
+        sampled = sorted(hub.rounds.task.sampled)
         for name in sampled:
             tasks[name] = wait_task(hub, name)
             upload(hub, name, tasks[name], result(1.0))
