@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_grpc_core(args.verbose)  # before anything imports grpc
     from security.tls import TlsError
-    from silo_client.client import SiloClient, SiloError, SiloLeft, SiloSettings
+    from silo_client.client import SiloClient, SiloSettings
+    from silo_client.errors import SiloError, SiloLeft
     from silo_client.policy import PolicyError, load_policy
     from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS, DataError
 

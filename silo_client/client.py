@@ -39,7 +39,6 @@ from security.terms import (
 )
 from security.terms import as_dict as terms_dict
 from security.tls import (
-    RETRY_AFTER_KEY,
     describe_tls_failure,
     hub_certificate,
     hub_tls_context,
@@ -48,56 +47,50 @@ from security.tls import (
 )
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
+from silo_client.errors import SiloError, SiloLeft
+from silo_client.hub_link import (
+    HUB_SERIALS_SEEN,
+    HubCertificateUnchecked,
+    HubSeen,
+    HubTlsRefused,
+    describe_rpc_error,
+    retry_after_s,
+)
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.outbox import Outbox, PolicyStop, epsilon_fields, metrics_allowed
 from silo_client.policy import BranchPolicy, Refusal, allowed_factories, check_run, required_noise_std
 from silo_client.privacy import SessionFloor, SiloPrivacy
+from silo_client.run_checks import (
+    PROCESS_CHECKS,
+    check_architecture,
+    check_counts_for,
+    check_data_for,
+    check_model_allowed,
+    count_image_files,
+    data_key,
+    guards_against_hub,
+    least_update_bytes,
+    model_spec_of,
+    rehearse,
+)
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.algorithms.base import RoundPlan, SiloAlgorithm, SiloData
-from silo_core.augment import to_float
 from silo_core.data import (
     DEFAULT_CACHE_MB,
     DEFAULT_LOADER_WORKERS,
     IMAGE_EXTENSIONS,
     DataError,
     ImageFiles,
-    image_batches,
     load_labeled_folder,
     load_unlabeled_folder,
 )
-from silo_core.data import (
-    count_image_files as count_listed_images,
-)
-from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
-from silo_core.training import autocast, on_device, resolve_device
+from silo_core.training import resolve_device
 
 VERSION = "0.2.0"
 HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
 NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
-
-
-class SiloError(RuntimeError):
-    """A problem the operator of this silo must fix; the message says what and how."""
-
-
-class SiloLeft(SiloError):
-    """This silo refused the run or left it by its own policy (a typed refusal, told to the hub): nothing more of
-    it leaves the branch in this run. silo-client exits with status 3."""
-
-    def __init__(self, refusal: Refusal):
-        super().__init__(refusal.message)
-        self.refusal = refusal
-
-
-class HubCertificateUnchecked(Exception):
-    """The hub's certificate could not be fetched to check it against the revocation list (the silo retries)."""
-
-
-class HubTlsRefused(HubCertificateUnchecked):
-    """A TLS verification failure that will not fix itself (another CA, a host the certificate does not name, an
-    expired certificate on either side): the silo gives up after a short grace, saying the cause and the fix."""
 
 
 @dataclass
@@ -154,189 +147,6 @@ def say_policy_once(log: logging.Logger, policy: BranchPolicy | None, state_dir:
              "no clear metrics" if not policy.clear_metrics else ""]
     log.info("branch policy: %s; ledger and audit in %s", ", ".join(p for p in parts if p) or "no floor beyond "
              "the allowed algorithms and models", state_dir)
-
-
-def guards_against_hub(dp: silo_pb2.ClientDPTerms) -> bool:
-    """Client-level DP protects this silo from the hub only when the silos add the noise themselves (distributed);
-    central noise is added by the hub after it has seen the sum, so against the hub it guarantees nothing."""
-    return dp.enabled and dp.noise == "distributed"
-
-
-def least_update_bytes(run: silo_pb2.RunDescription) -> int:
-    """The fewest bytes one update of the run's model can take on the wire: every floating-point parameter of its
-    architecture (batch-norm statistics left out) in float16, the most compact the wire allows. A policy's
-    max_upload_bytes below it refuses the run at join; each real upload is checked exactly at the Outbox."""
-    sizes = {"float32": 2, "float16": 2, "bfloat16": 2, "float64": 2}
-    total = 0
-    for t in run.architecture:
-        if t.dtype in sizes and not t.name.endswith(("running_mean", "running_var")):
-            n = 1
-            for d in t.shape:
-                n *= d
-            total += n * sizes[t.dtype]
-    return total
-
-
-def count_image_files(root: Path) -> int:
-    if not root.is_dir():
-        raise DataError(f"data folder {root} does not exist; pass --data with the folder of this silo's images")
-    return count_listed_images(root)
-
-
-def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) -> None:
-    """Refuse, with what to do, a run this silo's data cannot take part in."""
-    check_counts_for(algorithm, silo, len(data.images), data.num_labeled, data.true_labels is not None)
-
-
-def check_counts_for(algorithm: str, silo: type[SiloAlgorithm], num_unlabeled: int, num_labeled: int,
-                     has_true_labels: bool) -> None:
-    """check_data_for on counts: also what a silo that loads when sampled can tell from its files at join."""
-    if silo.needs_true_labels and not has_true_labels:
-        raise SiloError(f"algorithm {algorithm} is the fully supervised ceiling: it trains on the silos' TRUE labels, "
-                        f"which only a simulation has (silo-sim passes them); a real silo cannot take part")
-    has_unlabeled = num_unlabeled > 0 and silo.trains_on_unlabeled
-    has_labeled = num_labeled > 0 and silo.trains_on_labeled
-    if not (has_unlabeled or has_labeled):
-        need = "--data (unlabeled images)" + (" or --labeled" if silo.trains_on_labeled else "")
-        raise SiloError(f"algorithm {algorithm} has nothing to train on at this silo; pass {need}")
-
-
-def check_model_allowed(run: silo_pb2.RunDescription, allowed: tuple[str, ...]) -> None:
-    """A run built by a model factory is joined only when this silo's own operator named that factory: a silo
-    never imports code because the hub named it."""
-    if run.model_factory and run.model_factory not in allowed:
-        named = f" (this silo allows only {', '.join(allowed)})" if allowed else ""
-        raise SiloError(f"the hub's run builds its model with the factory {run.model_factory}, and this silo imports "
-                        f"no code because the hub names it{named}. If you trust that code and have its package "
-                        f"installed here, restart with --model-factory {run.model_factory}")
-
-
-def check_architecture(run: silo_pb2.RunDescription, spec: ModelSpec) -> None:
-    """This silo's build of the run's model must be the hub's, tensor for tensor (another torchvision or timm
-    version, or another copy of a factory, can change it): refuse before training, naming the first difference."""
-    if not run.architecture:
-        return
-    expected = [TensorShape(t.name, tuple(t.shape), t.dtype) for t in run.architecture]
-    difference = architecture_difference(expected, architecture(spec.build()))
-    if difference:
-        raise SiloError(f"this silo builds a different {spec.label} than the hub: {difference}. Install the same "
-                        f"versions of torch/torchvision/timm and of the model's package as the hub")
-
-
-def model_spec_of(run: silo_pb2.RunDescription) -> ModelSpec:
-    return ModelSpec.from_run(run)
-
-
-def data_key(run: silo_pb2.RunDescription) -> tuple[int, int]:
-    """What the loaded images depend on: a run with another image size or channel count needs them loaded again."""
-    return (run.image_size, run.in_channels)
-
-
-def rehearse(spec: ModelSpec, data: SiloData, device: torch.device, batch_size: int = 32) -> None:
-    """One throwaway training step and one inference batch of the run's network on a few of this silo's images,
-    before it reports ready: a device that cannot run the model fails at start-up with a clear error rather than
-    in round 1, and a fresh process's one-off costs (CUDA context, kernel choice, first memory) are paid before the
-    hub starts timing rounds. Runs on a fork of the random state, so it changes nothing that training draws."""
-    images = data.images if len(data.images) else data.labeled_images
-    if images is None or len(images) == 0:
-        return
-    # Read in this process: one batch is not worth starting loader workers for.
-    _, pixels = next(image_batches(images, [torch.arange(min(batch_size, len(images)))], workers=0))
-    if len(pixels) == 0:
-        return  # the first files turned out unreadable (counted); the first round will try the device
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model = on_device(spec.build(), device).train()  # as training runs it (autocast, memory format)
-            x = to_float(pixels, spec.mean, spec.std).to(device)
-            x = x if len(x) > 1 else x.repeat(2, 1, 1, 1)  # batch norm trains on two images at least
-            with autocast(device):
-                loss = model(x).logsumexp(1).mean()
-            loss.backward()
-            with torch.no_grad(), autocast(device):
-                model.eval()(x)
-    except (RuntimeError, ValueError) as err:
-        raise SiloError(f"could not run the run's model ({spec.name}) on device {device}: {err}; check the device, "
-                        f"or pass --device cpu") from None
-
-
-class ProcessChecks:
-    """Start-up checks whose outcome depends on the run and on this process (its libraries, its device), not on
-    which silo asks: the architecture fingerprint and the rehearsal. One silo-client process pays them once, as
-    before; a silo-sim host with hundreds of silos pays them once instead of once a silo (at 1,000 silos they were
-    a third of the time to round 1). A failed check is not remembered: every silo that tries it fails alike."""
-
-    def __init__(self) -> None:
-        self._passed: set[tuple] = set()
-        self._lock = threading.Lock()
-
-    def once(self, key: tuple, check: Callable[[], None]) -> None:
-        with self._lock:
-            if key in self._passed:
-                return
-        check()
-        with self._lock:
-            self._passed.add(key)
-
-
-PROCESS_CHECKS = ProcessChecks()
-
-
-@dataclass(frozen=True)
-class HubSeen:
-    """The certificate a hub presented in a verified handshake: its serial, and its sha256 fingerprint (for the
-    audit: which hub received what)."""
-
-    serial: int
-    fingerprint: str
-
-
-class HubSerialsSeen:
-    """The serial of the certificate a hub presented in a verified handshake, by (hub address, trusted CA), shared
-    by the silos of one process: a silo-sim host's hundreds of silos make one checking handshake a minute instead
-    of one each (at 1,000 silos those handshakes were a tenth of the joins' CPU). Each silo still judges the serial
-    against its own revocation list; one silo-client process has one silo, so nothing is shared there."""
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple[str, bytes], tuple[float, HubSeen]] = {}
-        self._lock = threading.Lock()
-
-    def recent(self, hub: str, ca_pem: bytes, within_s: float) -> HubSeen | None:
-        with self._lock:
-            at, seen = self._seen.get((hub, ca_pem), (-math.inf, None))
-        return seen if time.monotonic() - at < within_s else None
-
-    def saw(self, hub: str, ca_pem: bytes, seen: HubSeen) -> None:
-        with self._lock:
-            self._seen[(hub, ca_pem)] = (time.monotonic(), seen)
-
-
-HUB_SERIALS_SEEN = HubSerialsSeen()
-
-
-def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
-    details = (err.details() or "").replace("\n", " ")
-    if err.code() == grpc.StatusCode.UNAVAILABLE:
-        low = details.lower()
-        if any(w in low for w in ("ssl", "certificate", "handshake", "tls")):
-            return (f"TLS handshake with the hub at {hub} failed ({details[:160]}); check that --certs holds a "
-                    f"bundle issued by the hub's CA and that --hub names the host on the hub certificate")
-        return f"cannot reach the hub at {hub} ({details[:160]}); check --hub HOST:PORT and that silo-server runs"
-    return f"{err.code().name}: {details}"
-
-
-def retry_after_s(err: grpc.RpcError) -> float | None:
-    """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/servicer.py), or None."""
-    try:
-        metadata = err.trailing_metadata() or ()
-    except Exception:  # an error raised before any response has no metadata
-        return None
-    for key, value in metadata:
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(0.0, float(value) / 1000.0)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 def run_here(work: Callable[..., Any], *args: Any) -> Any:

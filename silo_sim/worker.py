@@ -33,7 +33,8 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
 
     threads = int(spec.get("threads", 1))
     torch.set_num_threads(threads)
-    from silo_client.client import SiloClient, SiloLeft, SiloSettings
+    from silo_client.client import SiloClient, SiloSettings
+    from silo_client.errors import SiloLeft
     from silo_client.metrics import SiloMetricFamilies, SiloMetrics
     from silo_client.policy import load_policy
 

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from silo_client.client import SiloError, check_data_for
+from silo_client.errors import SiloError
+from silo_client.run_checks import check_data_for
 from silo_core.algorithms import ALGORITHMS
 from silo_core.algorithms.base import SiloData
 

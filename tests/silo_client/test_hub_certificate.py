@@ -16,7 +16,9 @@ import silo_client.client
 from security import pki, tls
 from security.crl import RevocationList
 from security.gate import PeerGate
-from silo_client.client import HUB_SERIALS_SEEN, HubSeen, SiloClient, SiloError, SiloSettings
+from silo_client.client import SiloClient, SiloSettings
+from silo_client.errors import SiloError
+from silo_client.hub_link import HUB_SERIALS_SEEN, HubSeen
 from tests.security.test_gate import _call, _serve
 from tests.silo_client.test_cli_errors import write_images
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from silo_client.client import SiloClient, SiloError, SiloSettings, rehearse
+from silo_client.client import SiloClient, SiloSettings
+from silo_client.errors import SiloError
+from silo_client.run_checks import rehearse
 from silo_core.algorithms.base import SiloData
 from silo_core.models import ModelSpec
 from silo_server.app import HubApp

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import tests.model_factories as factories
-from silo_client.client import SiloClient, SiloError, SiloSettings
+from silo_client.client import SiloClient, SiloSettings
+from silo_client.errors import SiloError
 from silo_server.app import HubApp
 from silo_server.config import parse_config
 from tests.silo_client.test_cli_errors import write_images

@@ -14,7 +14,8 @@ import pytest
 from security.audit import AUDIT_FILE, read_records, verify_chain
 from security.tls import DEV_IDENTITY_KEY
 from silo.v1 import silo_pb2, silo_pb2_grpc
-from silo_client.client import SiloClient, SiloLeft, SiloSettings
+from silo_client.client import SiloClient, SiloSettings
+from silo_client.errors import SiloLeft
 from silo_client.ledger import LEDGER_FILE
 from silo_client.policy import BranchPolicy
 from silo_server.app import HubApp

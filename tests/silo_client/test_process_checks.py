@@ -3,7 +3,7 @@ silos in one), and a failed one is never remembered."""
 
 import pytest
 
-from silo_client.client import ProcessChecks
+from silo_client.run_checks import ProcessChecks
 
 
 def test_a_passed_check_runs_once_per_key_and_a_failed_one_runs_again() -> None:

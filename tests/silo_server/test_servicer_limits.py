@@ -218,7 +218,7 @@ def test_a_token_bucket_per_silo_and_call_refuses_past_its_rate_and_says_when_to
 
 
 def test_a_flood_of_calls_is_refused_at_its_rate_paused_logged_once_and_counted_per_silo(federation, caplog):
-    from silo_client.client import retry_after_s
+    from silo_client.hub_link import retry_after_s
 
     f = federation
     f.servicer.limits.rates = {**f.servicer.limits.rates, "Join": Rate(1.0, 5.0)}
