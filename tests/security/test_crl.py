@@ -12,6 +12,7 @@ from cryptography import x509
 
 from security import pki
 from security.crl import CrlError, RevocationList
+from security.pki import store
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_a_stale_crl_is_still_enforced_and_the_operator_is_told(setup, tmp_path,
     s1 = pki.issue_silo(ca, "s1", tmp_path / "s1")
     pki.revoke(ca, "s1")
     # Sign the CRL 40 days ago: its 30-day validity ended 10 days ago.
-    monkeypatch.setattr(pki, "_now", lambda: dt.datetime.now(dt.UTC) - dt.timedelta(days=40))
+    monkeypatch.setattr(store, "utc_now", lambda: dt.datetime.now(dt.UTC) - dt.timedelta(days=40))
     pki.write_crl(ca)
     monkeypatch.undo()
     shutil.copyfile(ca / "crl.pem", hub / "crl.pem")

@@ -15,6 +15,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from security import pki
 from security.cli import main
+from security.pki import store
 
 
 def _cert(path: Path) -> x509.Certificate:
@@ -199,7 +200,7 @@ def test_write_crl_lists_revoked_inventory_entries(ca_dir: Path, tmp_path: Path)
     pki.issue_silo(ca_dir, "s2", tmp_path / "s2")
     entries = pki.load_inventory(ca_dir)
     entries[0].status = "revoked"
-    pki._save_inventory(ca_dir, entries)
+    store.save_inventory(ca_dir, entries)
     pki.write_crl(ca_dir)
     crl = pki.load_crl(ca_dir)
     assert [r.serial_number for r in crl] == [int(entries[0].serial, 16)]
@@ -299,7 +300,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_cli_list_shows_expired(ca_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     entries = [pki.IssuedCert("silo", "old", "ab", "2020-01-01T00:00:00+00:00", "/x")]
-    pki._save_inventory(ca_dir, entries)
+    store.save_inventory(ca_dir, entries)
     assert main(["list", "--ca", str(ca_dir)]) == 0
     row = capsys.readouterr().out.splitlines()[1].split()
     assert row[0:4] == ["silo", "old", "ab", "2020-01-01"] and row[-1] == "expired" and int(row[-2]) < 0

@@ -390,12 +390,13 @@ def test_two_concurrent_issues_of_the_same_name_one_wins_one_is_refused(ca: Path
 
 def test_issuing_many_silos_at_once_reads_and_writes_the_inventory_once(tmp_path, monkeypatch) -> None:
     from security import pki
+    from security.pki import store
 
     ca = tmp_path / "ca"
     pki.init_ca(ca)
     saves = []
-    real_save = pki._save_inventory
-    monkeypatch.setattr(pki, "_save_inventory", lambda d, e: (saves.append(len(e)), real_save(d, e))[1])
+    real_save = store.save_inventory
+    monkeypatch.setattr(store, "save_inventory", lambda d, e: (saves.append(len(e)), real_save(d, e))[1])
     bundles = [(f"branch-{i:02d}", tmp_path / "silos" / f"branch-{i:02d}") for i in range(12)]
     assert pki.issue_silos(ca, bundles) == [out for _, out in bundles]
     assert saves == [12]  # one write for all twelve (one each made staging 1,000 silos quadratic)
