@@ -67,7 +67,7 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
 
 
 def retry_after_s(err: grpc.RpcError) -> float | None:
-    """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/servicer.py), or None."""
+    """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/wire/servicer.py), or None."""
     try:
         metadata = err.trailing_metadata() or ()
     except Exception:  # an error raised before any response has no metadata

@@ -125,7 +125,7 @@ class DPRound:
 
 @dataclass(frozen=True)
 class SecAggRound:
-    """A securely aggregated round (security/secagg: the session's sets and costs; silo_server/privacy.py: timings).
+    """A securely aggregated round (security/secagg: the session's sets and costs; silo_server/rounds/privacy.py: timings).
     U1..U4 are the silos left after each stage (Bonawitz et al. 2017): U3 sent masked inputs and is summed."""
 
     sampled: int
@@ -172,7 +172,7 @@ _SECAGG_STAGE = re.compile(r"^secagg_([a-z][a-z0-9_]*)_seconds$")
 
 @dataclass(frozen=True)
 class AggregationRound:
-    """A robust aggregation rule's decision (silo_server/robust.py, hub.yaml aggregation.rule): of the round's
+    """A robust aggregation rule's decision (silo_server/rounds/robust.py, hub.yaml aggregation.rule): of the round's
     individual updates, how many the rule left out (excluded) or gave under half their part in the mean
     (down-weighted), and which silos."""
 

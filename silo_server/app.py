@@ -54,13 +54,13 @@ from silo_core.rounds import Scores
 from silo_core.selection import BestRound
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
-from silo_server.checkpoint import BEST_MODEL, load_best_round, save_best_model, write_model
 from silo_server.config import DataSource, HubConfig
 from silo_server.hub import CERT_WARN_DAYS, Hub, HubSettings
 from silo_server.metrics import HubMetrics
-from silo_server.privacy import HubPrivacy
-from silo_server.servicer import FederationServer, FederationServicer
-from silo_server.sinks import TensorBoardSink
+from silo_server.rounds.privacy import HubPrivacy
+from silo_server.rounds.sinks import TensorBoardSink
+from silo_server.state.checkpoint import BEST_MODEL, load_best_round, save_best_model, write_model
+from silo_server.wire.servicer import FederationServer, FederationServicer
 
 log = logging.getLogger("silo_server")
 
@@ -128,7 +128,7 @@ class HubApp:
             evaluate=self.evaluate if self.test is not None else None,
             validate=self.validate if validation is not None else None,
         )
-        if config.run.tensorboard is not None:  # one more sink of the round records (silo_server/sinks.py)
+        if config.run.tensorboard is not None:  # one more sink of the round records (silo_server/rounds/sinks.py)
             self.hub.rounds.sinks.append(TensorBoardSink(Path(config.run.tensorboard) / self.hub.run_id,
                                                          initial=lambda: self.hub.records.initial))
         # The best round so far on the validation split; its model is kept in the state dir across restarts.

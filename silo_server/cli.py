@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port is not None:
             config.metrics.port = args.metrics_port
         if args.lift_quarantine is not None:
-            from silo_server.breaker import QuarantineList
+            from silo_server.rounds.breaker import QuarantineList
 
             if not QuarantineList(config.run.state_dir).lift(args.lift_quarantine):
                 print(f"error: silo {args.lift_quarantine} is not quarantined in {config.run.state_dir}",
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"silo {args.lift_quarantine} may be sampled again (the hub notices at its next round)")
             return 0
         from silo_server.app import HubApp  # heavy imports (torch) only after the config is known good
-        from silo_server.checkpoint import BEST_MODEL
-        from silo_server.privacy import plan_lines
+        from silo_server.rounds.privacy import plan_lines
+        from silo_server.state.checkpoint import BEST_MODEL
 
         app = HubApp(config, insecure_dev_only=args.insecure_dev_only)
         if args.check:

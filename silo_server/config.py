@@ -14,8 +14,8 @@ from silo_core.config_base import ConfigPath, StrictConfig, format_validation_er
 from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS
 from silo_core.models import RUN_WEIGHTS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
-from silo_server.privacy import PrivacySection
-from silo_server.robust import AggregationSection
+from silo_server.rounds.privacy import PrivacySection
+from silo_server.rounds.robust import AggregationSection
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,7 @@ and can be read and tested alone:
     scoring.py     RunRecords    run id, history, scores, checkpoints
 
 They share one lock and condition variable (ChangeCondition). Plain Python, no gRPC: the servicer
-(silo_server/servicer.py) is a thin shell that passes the caller's verified certificate identity and the message
+(silo_server/wire/servicer.py) is a thin shell that passes the caller's verified certificate identity and the message
 in, and maps a Refusal to a gRPC status. Tests drive this class directly. Every field a silo sends goes through
 security.validation before it is used.
 """
@@ -26,14 +26,21 @@ from security.terms import FIRST_RELEASE, PROTOCOL_VERSION, protocol_needed
 from silo.v1 import silo_pb2
 from silo_core.algorithms.base import HubAlgorithm, HubState
 from silo_core.rounds import RoundRecord
-from silo_server.breaker import QuarantineList
-from silo_server.intake import TaskIntake, TaskView
-from silo_server.privacy import HubPrivacy, RoundFailed
-from silo_server.registry import CERT_WARN_DAYS, ChangeCondition, Departure, Refusal, SiloRecord, SiloRegistry
-from silo_server.robust import AggregationSection
-from silo_server.round_loop import PHASES, ActiveTask, RoundLoop, RssMeter
-from silo_server.scoring import RunRecords
+from silo_server.rounds.breaker import QuarantineList
+from silo_server.rounds.privacy import HubPrivacy, RoundFailed
+from silo_server.rounds.robust import AggregationSection
+from silo_server.rounds.round_loop import PHASES, ActiveTask, RoundLoop, RssMeter
 from silo_server.settings import HALF_MIN_ELEMENTS, HubSettings, RoundSettings, WireLimits, wire_specs
+from silo_server.state.registry import (
+    CERT_WARN_DAYS,
+    ChangeCondition,
+    Departure,
+    Refusal,
+    SiloRecord,
+    SiloRegistry,
+)
+from silo_server.state.scoring import RunRecords
+from silo_server.wire.intake import TaskIntake, TaskView
 
 __all__ = ["CERT_WARN_DAYS", "HALF_MIN_ELEMENTS", "PHASES", "ActiveTask", "ChangeCondition", "Departure", "Hub",
            "HubSettings", "Refusal", "RoundFailed", "RoundSettings", "RssMeter", "SiloRecord", "TaskView", "WireLimits",

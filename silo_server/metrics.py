@@ -5,7 +5,7 @@ Two sources, no Prometheus code in the hub core:
 - State read at scrape time from the `Hub` object (round, phase, silos, counters of accepted/refused updates and
   bytes, the latest `RoundRecord` in `hub.records.history`, certificate files). A restarted hub therefore shows the last
   checkpointed round's accuracy at once.
-- Events from the round loop's sinks (silo_server/sinks.py: one `RoundRecord` per completed round) feed the
+- Events from the round loop's sinks (silo_server/rounds/sinks.py: one `RoundRecord` per completed round) feed the
   histograms and the counters that only make sense per completed round.
 
 The round record (silo_core/rounds.py) is the contract with the hub, the algorithms and the privacy and
@@ -67,7 +67,7 @@ REFUSAL_REASONS = (
     # security/gate.py and security/validation.py
     "not_allowed", "not_silo_certificate", "revoked", "expired", "bad_request", "bad_header", "bad_stream",
     "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized", "old_protocol",
-    # silo_server/servicer.py CallLimits
+    # silo_server/wire/servicer.py CallLimits
     "too_many_calls", "call_rate",
 )
 CALL_METHODS = ("Join", "NextTask", "Download", "Upload", "Leave", "Health")
@@ -80,7 +80,7 @@ ROUND_SILO_STATES = ("sampled", "reported", "skipped", "dropped")
 
 
 class HubMetrics:
-    """Prometheus metrics for one hub: a sink of the round records (silo_server/sinks.py) and a collector of the
+    """Prometheus metrics for one hub: a sink of the round records (silo_server/rounds/sinks.py) and a collector of the
     hub's state at scrape time."""
 
     def __init__(self, hub: Hub, *, certs: Path | None = None, registry: CollectorRegistry | None = None,

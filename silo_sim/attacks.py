@@ -1,5 +1,5 @@
 """Simulated poisoning attacks (simulation only): what a hostile silo sends instead of its honest update, to show
-what hub.yaml `aggregation.rule` buys (silo_server/robust.py).
+what hub.yaml `aggregation.rule` buys (silo_server/rounds/robust.py).
 
 An attack runs after the silo's honest local training and rewrites only the model changes of its result. Every
 algorithm's result is made of groups (RoundPlan.groups; one group "" when it has none), each a weight
@@ -16,7 +16,7 @@ passes every validation of the wire and moves the mean as far as its deltas can.
   round, so a run is reproducible whatever order silos train in.
 - ``weight``: every weight tensor becomes -scale x itself (30 by default), deltas untouched: a weight no honest silo
   could send. In the clear the hub refuses the upload; under secure aggregation it makes the round's sum fail its
-  check, which is how silo_server/breaker.py's search for the breaker is tested.
+  check, which is how silo_server/rounds/breaker.py's search for the breaker is tested.
 
 A real silo never poisons: silo-client has no flag for this; silo-sim's `--attackers K --attack KIND` sets it on
 its first K simulated silos (silo_sim/worker.py wraps their algorithm: SiloSettings.wrap_algorithm), and the in-process benchmark wraps its

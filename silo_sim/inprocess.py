@@ -1,6 +1,6 @@
 """Run an algorithm's hub and silo halves in one process, without the wire: the benchmark's fast path.
 
-The hub side is the deployed hub's own round loop (silo_server/round_loop.py: sampling, weight caps, robust
+The hub side is the deployed hub's own round loop (silo_server/rounds/round_loop.py: sampling, weight caps, robust
 aggregation, scoring, records, checkpoints); only the transport differs (InProcessSilos instead of gRPC calls),
 so the numbers carry over.
 """
@@ -32,16 +32,16 @@ from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord
 from silo_core.training import evaluate as evaluate_model
 from silo_server.config import load_config
-from silo_server.privacy import HubPrivacy
-from silo_server.registry import ChangeCondition, SiloRegistry
-from silo_server.robust import AggregationSection
-from silo_server.round_loop import ActiveTask, RoundLoop
-from silo_server.scoring import RunRecords
+from silo_server.rounds.privacy import HubPrivacy
+from silo_server.rounds.robust import AggregationSection
+from silo_server.rounds.round_loop import ActiveTask, RoundLoop
 from silo_server.settings import RoundSettings
+from silo_server.state.registry import ChangeCondition, SiloRegistry
+from silo_server.state.scoring import RunRecords
 
 
 class InProcessSilos:
-    """The round loop's transport when the silos live in this process (silo_server/round_loop.py Transport): each
+    """The round loop's transport when the silos live in this process (silo_server/rounds/round_loop.py Transport): each
     sampled silo runs its algorithm half on the round's plan, as a silo-client would on what it downloaded, and its
     result goes through the hub's checks (exact tensors, finite, weight within the round's cap) into the round;
     when the hub half broadcasts the round's model, every other silo then gets it too (receive_model). No silo drops
@@ -73,7 +73,7 @@ class InProcessSilos:
         privacy.submit(name, loop.records.run_id, wire_task, result, task.expected)
 
     def answer_stage(self, rp: Any) -> None:
-        """Each silo's answer to the stage the hub's driver just handed out (silo_server/privacy.py RoundHooks)."""
+        """Each silo's answer to the stage the hub's driver just handed out (silo_server/rounds/privacy.py RoundHooks)."""
         for name, payload in sorted(rp.outbox.items()):
             task = silo_pb2.Task(task_id=rp.session.session, secagg_stage=rp.outbox_stage, secagg_payload=payload)
             self.privacies[name].run_stage(task)
@@ -134,7 +134,7 @@ def run_inprocess(
     state_dir: Path | None = None,
     privacy: HubPrivacy | None = None,
 ) -> tuple[HubState, list[RoundRecord]]:
-    """Run `rounds` rounds of the deployed hub's round loop (silo_server/round_loop.py: sampling, weight caps,
+    """Run `rounds` rounds of the deployed hub's round loop (silo_server/rounds/round_loop.py: sampling, weight caps,
     aggregation under hub.yaml's `aggregation` rule, scoring, records, checkpoints) with the silos in this process
     (InProcessSilos) instead of behind gRPC.
 

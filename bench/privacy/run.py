@@ -154,7 +154,7 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
     from silo_core.algorithms import get_algorithm
     from silo_core.algorithms.base import HubData, SiloData
     from silo_core.training import evaluate
-    from silo_server.privacy import HubPrivacy, PrivacySection
+    from silo_server.rounds.privacy import HubPrivacy, PrivacySection
     from silo_sim.inprocess import run_inprocess
 
     entry = get_algorithm(algorithm)

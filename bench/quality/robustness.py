@@ -39,7 +39,7 @@ from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.partition import split_labeled_per_class  # noqa: E402
 from silo_core.training import resolve_device  # noqa: E402
-from silo_server.robust import AggregationSection  # noqa: E402
+from silo_server.rounds.robust import AggregationSection  # noqa: E402
 from silo_server.rules import RULES  # noqa: E402
 from silo_sim.attacks import POISONING as ATTACKS  # noqa: E402  (well-formed poisoning)
 

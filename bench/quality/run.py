@@ -53,7 +53,7 @@ from silo_core.partition import make_partition, split_labeled_per_class  # noqa:
 from silo_core.rounds import records_from_json  # noqa: E402
 from silo_core.selection import BestRound  # noqa: E402
 from silo_core.training import evaluate, resolve_device  # noqa: E402
-from silo_server.robust import AggregationSection  # noqa: E402
+from silo_server.rounds.robust import AggregationSection  # noqa: E402
 from silo_sim.attacks import PoisonedSilo  # noqa: E402
 from silo_sim.cli import parse_options  # noqa: E402
 from silo_sim.inprocess import replay_staged, run_inprocess, run_silo_sim  # noqa: E402

@@ -1,6 +1,6 @@
 """What an honest silo asks of the hub: calls per silo and round, by method, in a plain round and in a securely
 aggregated one, counted by the hub's servicer (silokit_hub_calls_total). The per-silo call rates
-(silo_server/servicer.py CALL_RATES) are set well above these.
+(silo_server/wire/servicer.py CALL_RATES) are set well above these.
 
     python bench/systems/honest_calls.py            # about a minute on 2 cores
 

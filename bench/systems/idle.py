@@ -36,7 +36,7 @@ from silo.v1 import silo_pb2, silo_pb2_grpc  # noqa: E402
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan  # noqa: E402
 from silo_core.models import ModelSpec  # noqa: E402
 from silo_server.hub import Hub, HubSettings, RoundSettings  # noqa: E402
-from silo_server.servicer import FederationServer, FederationServicer  # noqa: E402
+from silo_server.wire.servicer import FederationServer, FederationServicer  # noqa: E402
 
 RUN = {"algorithm": "idle", "model": "small_cnn", "num_classes": 10, "in_channels": 1, "image_size": 28,
        "algorithm_options": {}, "mean": [0.5], "std": [0.5], "max_upload_bytes": 1 << 20, "chunk_bytes": 1 << 16}

@@ -80,7 +80,7 @@ def aggregate(
     if signed and verifier is None:
         raise ValueError("a signed round needs a verifier")
     started = clock()
-    # An honest hub promises the cohort the silos require (silo_server/privacy.py: min_survivors holds the run's
+    # An honest hub promises the cohort the silos require (silo_server/rounds/privacy.py: min_survivors holds the run's
     # pinned min_cohort, which no accepting silo's policy exceeds); a hub that does not is a test's deviating one.
     hub = HubSession(session, ids, params, shapes, rng=random.Random(seed), verifier=verifier, run_id=run_id,
                      signed=signed, min_survivors=min_cohort if hub_min_survivors is None else hub_min_survivors)

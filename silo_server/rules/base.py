@@ -9,7 +9,7 @@ yields u and its finish_round is unchanged (HASSLE's four models are four groups
 
 A rule also says what it needs and what it composes with (class attributes below), and ``check`` turns that into
 the one refusal that hub.yaml validation (silo_server/config.py) and the round loop (round_loop.py) both raise.
-silo_server/robust.py does the plumbing around a rule: the update files, the groups, the round's decision record.
+silo_server/rounds/robust.py does the plumbing around a rule: the update files, the groups, the round's decision record.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from silo_core.algorithms import ALGORITHMS
 from silo_core.algorithms.base import HubAlgorithm
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 
 class AggregationRefused(Exception):
@@ -94,7 +94,7 @@ class AggregationRule(ABC):
 
     What a rule declares (class attributes; ``check`` refuses a run that breaks them):
     - needs_updates: the rule reads each silo's update, so the hub keeps every upload in its own file for the
-      round (UpdateStore). False only for mean, which the hub sums as uploads arrive (silo_server/aggregate.py).
+      round (UpdateStore). False only for mean, which the hub sums as uploads arrive (silo_server/rounds/aggregate.py).
     - composes_with_secure_aggregation, composes_with_dp: whether the rule runs under the privacy layer, which
       gives the hub only the sum of the updates. A rule that needs_updates composes with neither (register
       refuses the claim).

@@ -13,7 +13,7 @@ import torch
 from silo_server.rules.base import AggregationRule, Group, GroupResult, register
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 log = logging.getLogger("silo_server")
 

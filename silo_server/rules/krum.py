@@ -10,7 +10,7 @@ import torch
 from silo_server.rules.base import AggregationRefused, AggregationRule, Group, GroupResult, register
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 
 def fewest_updates(byzantine: int) -> int:

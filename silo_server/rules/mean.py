@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 from silo_server.rules.base import AggregationRule, Group, GroupResult, register
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 
 @register("mean")
 class Mean(AggregationRule):
     """The weighted mean needs only the sum of the updates, so the hub adds each upload into running sums as it
-    arrives (silo_server/aggregate.py) and keeps no update; for the same reason it is the one rule that composes
+    arrives (silo_server/rounds/aggregate.py) and keeps no update; for the same reason it is the one rule that composes
     with secure aggregation and DP. The round loop never calls aggregate_group for it: it gives the same sums
     (W x u = sum_i delta_i) from stored updates, for tests and for comparing rules."""
 

@@ -9,7 +9,7 @@ from silo_server.rules.base import register
 from silo_server.rules.krum import Krum
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 
 @register("multi_krum")

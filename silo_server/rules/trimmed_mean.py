@@ -11,7 +11,7 @@ import torch
 from silo_server.rules.base import AggregationRule, Group, GroupResult, register
 
 if TYPE_CHECKING:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
 
 def coordinate_wise(stack: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

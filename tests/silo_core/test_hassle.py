@@ -20,7 +20,7 @@ from silo_core.algorithms.hassle import (
 )
 from silo_core.models import ModelSpec, count_parameters
 from silo_core.tensors import check_tensors
-from silo_server.aggregate import RunningSum
+from silo_server.rounds.aggregate import RunningSum
 
 SPEC = ModelSpec(options={"width": 8})
 CPU = torch.device("cpu")

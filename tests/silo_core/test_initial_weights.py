@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from silo_core.algorithms import ALGORITHMS
 from silo_core.algorithms.base import HubData
 from silo_core.models import ModelSpec, load_weights, read_run_weights, read_weights
-from silo_server.checkpoint import write_model
+from silo_server.state.checkpoint import write_model
 
 RESNET = ModelSpec("torchvision/resnet18", num_classes=10, in_channels=3, image_size=32)
 

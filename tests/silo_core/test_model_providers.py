@@ -16,7 +16,7 @@ from silo_core.algorithms.base import HubData, SiloData
 from silo_core.algorithms.semifl import SemiFLHub, SemiFLOptions, SemiFLSilo
 from silo_core.models import BUILT_INS, PROVIDERS, ModelSpec, model_names, register_model
 from silo_server.config import ConfigError, parse_config
-from silo_server.servicer import run_description_message
+from silo_server.wire.servicer import run_description_message
 
 DEMO = {"data": {"labeled": {"kind": "demo"}}}
 
@@ -169,7 +169,7 @@ def test_a_new_built_in_model_is_one_decorated_function(keep_built_ins):
 ])
 def test_the_hub_and_a_silo_make_the_same_spec(model, tmp_path):
     hub = ModelSpec.from_config(parse_config({**DEMO, "model": model}, base=tmp_path).model, num_classes=7)
-    # What the hub sends (silo_server/app.py run_description, silo_server/servicer.py) and a silo reads back.
+    # What the hub sends (silo_server/app.py run_description, silo_server/wire/servicer.py) and a silo reads back.
     wire = run_description_message({
         "run_id": "r", "algorithm": "semifl", "algorithm_options": {}, "total_rounds": 1, "max_upload_bytes": 1,
         "chunk_bytes": 1, "model": hub.name, "model_options": hub.options, "model_factory": hub.factory or "",

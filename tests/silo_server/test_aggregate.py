@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from silo_server.aggregate import RunningSum, UploadBudget
+from silo_server.rounds.aggregate import RunningSum, UploadBudget
 
 
 def test_running_sum_is_exact_and_keeps_one_copy_whatever_the_number_of_silos():

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from silo_core.models import ModelSpec
 from silo_core.selection import BestRound
-from silo_server.checkpoint import BEST_MODEL, load_best_round, save_best_model
+from silo_server.state.checkpoint import BEST_MODEL, load_best_round, save_best_model
 
 
 def test_a_restarted_hub_reads_the_best_round_back_from_the_file_itself(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from silo_core.selection import BestRound
 from silo_server.app import HubApp
-from silo_server.checkpoint import save_best_model
 from silo_server.config import parse_config
+from silo_server.state.checkpoint import save_best_model
 
 
 def test_round_zero_as_best_is_named_in_the_card(tmp_path) -> None:

@@ -13,9 +13,9 @@ import yaml
 
 from security.secagg import SecAggParams
 from silo_core.algorithms.base import SiloResult
-from silo_server.breaker import BreakerHunt, QuarantineList
 from silo_server.cli import main as server_main
-from silo_server.privacy import PrivacySection
+from silo_server.rounds.breaker import BreakerHunt, QuarantineList
+from silo_server.rounds.privacy import PrivacySection
 from tests.silo_server.test_hostile_silo import HostileSecAggSilo, _wait
 from tests.silo_server.test_privacy import D, Silo, make
 
@@ -101,7 +101,7 @@ def test_a_secure_aggregation_breaker_among_six_honest_silos_is_quarantined_and_
 
 
 def test_the_quarantine_list_survives_a_restart_and_is_reread_when_the_file_changes(tmp_path):
-    from silo_server.breaker import Quarantine
+    from silo_server.rounds.breaker import Quarantine
 
     first = QuarantineList(tmp_path)
     first.add(Quarantine("x", 2, 3, "broke the sum", "2026-11-27T00:00:00+00:00"))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from silo_core.algorithms.base import HubState, load_model, model_tensors
 from silo_core.models import ModelSpec
 from silo_core.selection import BestRound
-from silo_server.checkpoint import (
+from silo_server.state.checkpoint import (
     BEST_MODEL,
     INFO,
     MANIFEST,

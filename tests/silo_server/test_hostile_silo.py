@@ -14,9 +14,9 @@ import torch
 from security.secagg import SecAggParams
 from silo_core.algorithms.base import RoundPlan, SiloResult
 from silo_core.tensors import TensorSpec, iter_chunks
-from silo_server.aggregate import RunningSum
 from silo_server.hub import Refusal
-from silo_server.privacy import PrivacySection
+from silo_server.rounds.aggregate import RunningSum
+from silo_server.rounds.privacy import PrivacySection
 from tests.silo_server import hostile
 from tests.silo_server.test_hub import MeanOfSilos, make_hub, start_round, upload, wait_task
 from tests.silo_server.test_privacy import D, Mean, Silo, make
@@ -276,7 +276,7 @@ def test_the_fewest_silos_a_secure_round_samples_survive_its_dropouts():
 
 def test_check_prints_the_secure_aggregation_plan_and_each_bound_it_cannot_enforce():
     from security.dp import DPConfig
-    from silo_server.privacy import plan_lines
+    from silo_server.rounds.privacy import plan_lines
 
     secagg = PrivacySection(secure_aggregation=SecAggParams(enabled=True))
     lines = plan_lines(secagg, max_update_norm=5.0)

@@ -15,8 +15,8 @@ from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
-from silo_server.checkpoint import load_latest
 from silo_server.hub import Refusal
+from silo_server.state.checkpoint import load_latest
 from tests.silo_server.hubs import build_hub
 
 
@@ -380,7 +380,7 @@ def test_once_the_quorum_reported_a_silent_or_refused_silo_holds_the_round_only_
 
 
 def test_by_default_the_round_waits_twice_its_median_report_time_and_at_least_ten_seconds(tmp_path):
-    from silo_server.round_loop import QUORUM_WAIT_FLOOR_S
+    from silo_server.rounds.round_loop import QUORUM_WAIT_FLOOR_S
 
     hub = make_hub(tmp_path)
     assert hub.rounds.wait_after_quorum(SimpleNamespace(report_seconds=[])) == QUORUM_WAIT_FLOOR_S == 10.0

@@ -13,13 +13,13 @@ from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores
 from silo_core.tensors import TensorSpec
-from silo_server.aggregate import RunningSum
 from silo_server.config import parse_config
-from silo_server.privacy import HubPrivacy, PrivacySection, RoundFailed, RoundHooks
-from silo_server.registry import ChangeCondition, Refusal, SiloRegistry
-from silo_server.round_loop import RoundLoop
-from silo_server.scoring import RunRecords
+from silo_server.rounds.aggregate import RunningSum
+from silo_server.rounds.privacy import HubPrivacy, PrivacySection, RoundFailed, RoundHooks
+from silo_server.rounds.round_loop import RoundLoop
 from silo_server.settings import HubSettings, RoundSettings, WireLimits
+from silo_server.state.registry import ChangeCondition, Refusal, SiloRegistry
+from silo_server.state.scoring import RunRecords
 
 
 class HubOnly(HubAlgorithm):

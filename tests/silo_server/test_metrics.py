@@ -17,7 +17,7 @@ from security.pki import init_ca, issue_hub, issue_silo
 from silo_core.rounds import RoundRecord, Scores, SecAggRound, threshold_metric
 from silo_server.hub import Refusal
 from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
-from silo_server.privacy import PrivacySection
+from silo_server.rounds.privacy import PrivacySection
 from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
 from tests.silo_server.test_privacy import Silo as PrivateSilo
 from tests.silo_server.test_privacy import make as make_private_hub

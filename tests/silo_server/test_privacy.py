@@ -14,9 +14,9 @@ from silo_client.privacy import SiloPrivacy
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan, SiloResult
 from silo_core.models import ModelSpec
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
-from silo_server.checkpoint import load_latest
 from silo_server.hub import Hub, Refusal
-from silo_server.privacy import HubPrivacy, PrivacySection
+from silo_server.rounds.privacy import HubPrivacy, PrivacySection
+from silo_server.state.checkpoint import load_latest
 from tests.silo_server.hubs import build_hub
 
 D = 4000

@@ -1,4 +1,4 @@
-"""Robust aggregation (hub.yaml aggregation.rule, silo_server/robust.py): each rule's arithmetic on small known
+"""Robust aggregation (hub.yaml aggregation.rule, silo_server/rounds/robust.py): each rule's arithmetic on small known
 vectors, the hub's path through individual update files, the round record and Prometheus, and the config's
 refusals."""
 
@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from silo_core.rounds import AggregationRound, RoundRecord, records_from_json
 from silo_server.config import ConfigError, parse_config
 from silo_server.metrics import HubMetrics
-from silo_server.robust import (
+from silo_server.rounds.robust import (
     AggregationRefused,
     AggregationSection,
     UpdateStore,

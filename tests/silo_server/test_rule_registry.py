@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from silo_server.config import ConfigError, parse_config
-from silo_server.robust import AggregationSection, UpdateStore, aggregate
+from silo_server.rounds.robust import AggregationSection, UpdateStore, aggregate
 from silo_server.rules import RULES, AggregationRule, Group, GroupResult, get_rule, register
 from tests.silo_server.hubs import build_hub
 from tests.silo_server.test_hub import MeanOfSilos, start_round, upload, wait_task

@@ -19,7 +19,7 @@ from security.crl import RevocationList
 from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_server.hub import Hub
-from silo_server.servicer import CallLimits, FederationServer, FederationServicer
+from silo_server.wire.servicer import CallLimits, FederationServer, FederationServicer
 from tests.silo_server import hostile
 from tests.silo_server.test_hub import make_hub, start_round
 from tests.silo_server.test_hub_security import same, snapshot

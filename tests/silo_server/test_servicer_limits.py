@@ -23,7 +23,7 @@ from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import encode, sha256_hex
 from silo_server.hub import Hub
-from silo_server.servicer import CallLimits, FederationServer, FederationServicer, Rate
+from silo_server.wire.servicer import CallLimits, FederationServer, FederationServicer, Rate
 from tests.conftest import wait_for
 from tests.silo_server.test_hub import make_hub
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from silo_server.sinks import HistoryFile, TensorBoardSink
+from silo_server.rounds.sinks import HistoryFile, TensorBoardSink
 from tests.silo_server.test_hub import make_hub, result, upload, wait_task
 
 

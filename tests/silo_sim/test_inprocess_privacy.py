@@ -1,5 +1,5 @@
 """The in-process transport has the wire's privacy path: each silo's own privacy layer (silo_client/privacy.py) and
-the hub's (silo_server/privacy.py) run in the one round loop, so a private benchmark's numbers are a deployment's."""
+the hub's (silo_server/rounds/privacy.py) run in the one round loop, so a private benchmark's numbers are a deployment's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from security.secagg import SecAggParams
 from silo_core.accounting import PrivacyAccountant
 from silo_core.algorithms.base import HubData, SiloData
 from silo_core.models import ModelSpec
-from silo_server.privacy import HubPrivacy, PrivacySection
+from silo_server.rounds.privacy import HubPrivacy, PrivacySection
 from silo_sim.inprocess import run_inprocess
 from tests.silo_core.test_algorithm_registry import NudgeHub, NudgeOptions, NudgeSilo
 

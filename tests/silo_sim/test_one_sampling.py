@@ -97,7 +97,7 @@ def silos_with(images: dict[str, int]) -> list[SiloData]:
 
 def test_in_process_rounds_are_the_hub_round_loop_robust_rule_weight_cap_and_records(tmp_path) -> None:
     from silo_core.rounds import records_from_json
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
     values = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 1000.0}  # e: one silo far off the others
     silos = silos_with({name: 10 for name in values})
@@ -119,7 +119,7 @@ def test_in_process_rounds_are_the_hub_round_loop_robust_rule_weight_cap_and_rec
 
 
 def test_an_in_process_round_a_rule_refuses_stops_the_run_instead_of_retrying_forever() -> None:
-    from silo_server.robust import AggregationSection
+    from silo_server.rounds.robust import AggregationSection
 
     # Krum with f = 2 needs 2f + 3 = 7 updates; five silos can never give them.
     with pytest.raises(RuntimeError, match="round 1 failed 5 times in a row .*krum"):

@@ -15,7 +15,7 @@ from silo_core.data import load_demo
 from silo_core.models import ModelSpec
 from silo_core.partition import split_labeled_per_class
 from silo_core.training import evaluate
-from silo_server.robust import AggregationSection
+from silo_server.rounds.robust import AggregationSection
 from silo_sim.attacks import PoisonedSilo
 from silo_sim.inprocess import run_inprocess
 

@@ -15,7 +15,7 @@ from torch import nn
 from silo_core.files import write_json_atomic
 from silo_core.models import ModelSpec, architecture, architecture_sha256, count_parameters
 from silo_core.selection import BestRound
-from silo_server.checkpoint import BEST_MODEL, save_best_model, write_model
+from silo_server.state.checkpoint import BEST_MODEL, save_best_model, write_model
 
 CLASSES = ["a_cat", "b_dog", "c_bird"]
 RUN_ID = "run-test"

@@ -1,6 +1,6 @@
 """The hub's round loop: wait for silos, sample them, publish the round's task, wait for reports until the quorum
 and the deadline, aggregate (through the privacy layer when it is on), record, checkpoint, and retry a failed
-attempt. The silo calls that feed a round live in silo_server/intake.py, the silos themselves in registry.py."""
+attempt. The silo calls that feed a round live in silo_server/wire/intake.py, the silos themselves in registry.py."""
 
 from __future__ import annotations
 
@@ -22,14 +22,21 @@ from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.rounds import AggregationRound, RoundRecord, Sampling
 from silo_core.tensors import TensorSpec, encode, sha256_hex
-from silo_server.aggregate import RunningSum
-from silo_server.breaker import BreakerHunt, Quarantine, now_iso
-from silo_server.privacy import BudgetExhausted, HubPrivacy, PrivateSums, RoundFailed, RoundHooks, SumRefused
-from silo_server.registry import SiloRegistry
-from silo_server.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
-from silo_server.scoring import RunRecords, short
+from silo_server.rounds.aggregate import RunningSum
+from silo_server.rounds.breaker import BreakerHunt, Quarantine, now_iso
+from silo_server.rounds.privacy import (
+    BudgetExhausted,
+    HubPrivacy,
+    PrivateSums,
+    RoundFailed,
+    RoundHooks,
+    SumRefused,
+)
+from silo_server.rounds.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
+from silo_server.rounds.sinks import CallbackSink, HistoryFile, RoundSink
 from silo_server.settings import RoundSettings, wire_specs
-from silo_server.sinks import CallbackSink, HistoryFile, RoundSink
+from silo_server.state.registry import SiloRegistry
+from silo_server.state.scoring import RunRecords, short
 
 log = logging.getLogger("silo_server")
 
@@ -68,7 +75,7 @@ class ActiveTask:
     bytes_up: int = 0
     bytes_down: int = 0
     open: bool = True
-    privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/privacy.py)
+    privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/rounds/privacy.py)
     accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
     weight_caps: dict[str, float] = field(default_factory=dict)  # the most weight each sampled silo may carry
     gone: set[str] = field(default_factory=set)  # sampled silos known to have left the round (revoked, aborted)
@@ -138,7 +145,7 @@ QUORUM_WAIT_FLOOR_S = 10.0  # the least a round waits for the rest after its quo
 
 class SiloCalls:
     """The deployed hub's transport: silos fetch the open task, download and upload through gRPC calls
-    (silo_server/intake.py), which hand their results in; the loop only waits for them."""
+    (silo_server/wire/intake.py), which hand their results in; the loop only waits for them."""
 
     silos_can_change = True
 
@@ -185,11 +192,11 @@ class RoundLoop:
         self.max_update_norm = max_update_norm  # what the privacy layer checks a securely aggregated sum against
         # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
         self.round_hyperparameters = dict(round_hyperparameters or {})
-        # Where each completed round's record goes (silo_server/sinks.py): history.json first, then what the app
+        # Where each completed round's record goes (silo_server/rounds/sinks.py): history.json first, then what the app
         # adds (Prometheus, TensorBoard), then the caller's own callback.
         self.sinks: list[RoundSink] = [HistoryFile(records)]
         self.callback = CallbackSink(on_round) if on_round is not None else None
-        self.aggregation = aggregation or AggregationSection()  # hub.yaml aggregation (silo_server/robust.py)
+        self.aggregation = aggregation or AggregationSection()  # hub.yaml aggregation (silo_server/rounds/robust.py)
         self.rule = self.aggregation.aggregator()  # silo_server/rules/
         # The config ran this check already; a hub built in code (tests, silo-sim) gets the same refusal here.
         self.rule.check(self.aggregation, algorithm,
@@ -199,7 +206,7 @@ class RoundLoop:
             log.info("aggregation.rule %s: each round's updates wait in their own files under %s until the round "
                      "ends", self.aggregation.rule, records.state_dir / "round-updates")
         self.rss_meter = RssMeter()
-        # The search for a silo that breaks the secure sum (silo_server/breaker.py), and whether the hub has said
+        # The search for a silo that breaks the secure sum (silo_server/rounds/breaker.py), and whether the hub has said
         # it cannot search (no spare silos).
         self.hunt = BreakerHunt()
         self.said_no_spare = False
@@ -480,7 +487,7 @@ class RoundLoop:
 
     def _breaker_cohort(self, live: list[str], sampled: set[str], r: int, attempt: int) -> set[str]:
         """A cohort of the fewest silos a round may have, holding about half of the live suspects
-        (silo_server/breaker.py); the usual sample when no such cohort exists (no spare silos)."""
+        (silo_server/rounds/breaker.py); the usual sample when no such cohort exists (no spare silos)."""
         size = self.fewest_sampled()  # the smallest legal cohort splits the suspects fastest
         rng = random.Random(self.settings.seed * 1_000_003 + r * 101 + attempt + 7)
         cohort = self.hunt.cohort(live, size, rng) if size < len(live) else None

@@ -3,7 +3,7 @@ every one of them. The rules themselves live in silo_server/rules/, one module e
 (rules/base.py, which also says how a rule sees a result group); this module is hub.yaml's `aggregation` section
 and the plumbing around a rule.
 
-`mean` sums each upload as it arrives (silo_server/aggregate.py) and needs nothing here. Every rule that
+`mean` sums each upload as it arrives (silo_server/rounds/aggregate.py) and needs nothing here. Every rule that
 needs_updates needs the individual updates: the intake writes each validated upload to its own safetensors file in
 the state folder (UpdateStore), and at the round's end the rule reads them back one tensor at a time, so the hub
 holds at most one tensor of every reporting silo at once (n x the largest tensor), never n models. The folder is

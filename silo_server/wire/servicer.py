@@ -34,7 +34,7 @@ from security.tls import RETRY_AFTER_KEY, peer_certificate
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import iter_chunks
 from silo_server.hub import Departure, Hub, Refusal
-from silo_server.registry import BurstLog
+from silo_server.state.registry import BurstLog
 
 log = logging.getLogger("silo_server")
 

@@ -62,7 +62,7 @@ class RoundFailed(Exception):
 
 class SumRefused(RoundFailed):
     """A securely aggregated sum that fails its check: one of `contributors` sent what no honest silo could
-    (silo_server/breaker.py looks for it)."""
+    (silo_server/rounds/breaker.py looks for it)."""
 
     def __init__(self, message: str, contributors: list[str]):
         super().__init__(message)

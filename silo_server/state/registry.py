@@ -16,7 +16,7 @@ from typing import Any
 
 from security import validation
 from security.audit import AuditLog
-from silo_server.breaker import Quarantine, QuarantineList
+from silo_server.rounds.breaker import Quarantine, QuarantineList
 
 log = logging.getLogger("silo_server")
 
@@ -118,7 +118,7 @@ class SiloRegistry:
     def __init__(self, cond: ChangeCondition, liveness_s: float = 60.0, audit: AuditLog | None = None,
                  quarantine: QuarantineList | None = None):
         self.cond = cond
-        # Silos that broke a securely aggregated sum (silo_server/breaker.py): never sampled until lifted.
+        # Silos that broke a securely aggregated sum (silo_server/rounds/breaker.py): never sampled until lifted.
         self.quarantine = quarantine
         self.liveness_s = liveness_s
         self.audit = audit  # the hub's hash-chained record of joins, departures and refusals (None: not kept)

@@ -17,11 +17,11 @@ from security.secagg import ProtocolError
 from security.secagg.messages import DuplicateMessage
 from silo.v1 import silo_pb2
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge
-from silo_server.aggregate import UploadBudget
-from silo_server.privacy import STAGE_UPLOADS, HubPrivacy
-from silo_server.registry import SiloRegistry
-from silo_server.round_loop import ActiveTask, RoundLoop
+from silo_server.rounds.aggregate import UploadBudget
+from silo_server.rounds.privacy import STAGE_UPLOADS, HubPrivacy
+from silo_server.rounds.round_loop import ActiveTask, RoundLoop
 from silo_server.settings import WireLimits
+from silo_server.state.registry import SiloRegistry
 
 log = logging.getLogger("silo_server")
 
@@ -220,7 +220,7 @@ class TaskIntake:
             self.rounds.accept_result(silo_id, t, tensors, metrics, skipped, total, stored)
 
     def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:
-        """A secure-aggregation stage message (silo_server/privacy.py checks it against the session). A message the
+        """A secure-aggregation stage message (silo_server/rounds/privacy.py checks it against the session). A message the
         session cannot use counts its sender out of the session at once, so the stage need not wait for it."""
         registry, rounds = self.registry, self.rounds
         stage = header["secagg_stage"]

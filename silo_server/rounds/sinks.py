@@ -4,7 +4,7 @@
         def round_done(self, record: RoundRecord) -> None   # once the round's checkpoint is written
         def close(self) -> None                              # the run is over (or the hub stops)
 
-The round loop (silo_server/round_loop.py, RoundLoop.sinks) hands each record to its sinks in order:
+The round loop (silo_server/rounds/round_loop.py, RoundLoop.sinks) hands each record to its sinks in order:
 
     HistoryFile     history.json: what silo-sim's summary, the benchmarks and an operator read while the run goes on
     HubMetrics      Prometheus (silo_server/metrics.py), when hub.yaml metrics.enabled
@@ -36,7 +36,7 @@ class HistoryFile:
     """history.json in the hub's state folder (RunRecords.write_history): the run's rounds as their flat JSON."""
 
     def __init__(self, records: Any):
-        self.records = records  # silo_server/scoring.py RunRecords
+        self.records = records  # silo_server/state/scoring.py RunRecords
 
     def round_done(self, record: RoundRecord) -> None:
         self.records.write_history()

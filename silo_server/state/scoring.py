@@ -1,5 +1,5 @@
 """The hub's records of the run: its id, the round history, the initial model's scores, scoring a model on the
-hub's validation split and test set, and checkpoints (silo_server/checkpoint.py writes and verifies the files)."""
+hub's validation split and test set, and checkpoints (silo_server/state/checkpoint.py writes and verifies the files)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from security.audit import AuditLog
 from silo_core.algorithms.base import HubState
 from silo_core.files import write_json_atomic
 from silo_core.rounds import RoundRecord, Scores, records_from_json
-from silo_server.checkpoint import MANIFEST, load_latest, save_checkpoint
+from silo_server.state.checkpoint import MANIFEST, load_latest, save_checkpoint
 
 log = logging.getLogger("silo_server")
 
@@ -66,7 +66,7 @@ class RunRecords:
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, total_rounds: int, check: Callable[..., Any]) -> tuple[HubState, dict[str, int]] | None:
-        """Load and verify the latest checkpoint (silo_server/checkpoint.py says what is checked): its history,
+        """Load and verify the latest checkpoint (silo_server/state/checkpoint.py says what is checked): its history,
         initial scores and privacy accountant come back here; the state and the images each silo declared are
         returned. None when there is none; CheckpointError says which file and how to recover."""
         loaded = load_latest(self.state_dir, total_rounds=total_rounds, check=check)
