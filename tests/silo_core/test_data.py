@@ -99,7 +99,7 @@ def test_only_regular_files_are_read(tmp_path: Path):
 def pixel_limits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Low limits so that small, fast images stand in for the 12,000-pixel-wide ones of the bug report: ours at
     1 MP, Pillow's bomb threshold at 5 MP (warning above it, error above 10 MP), as it is at 89 and 179 MP."""
-    monkeypatch.setattr(silo_core.data, "MAX_IMAGE_PIXELS", 1_000_000)
+    monkeypatch.setattr(silo_core.data.decoding, "MAX_IMAGE_PIXELS", 1_000_000)
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000_000)
 
 
@@ -125,7 +125,7 @@ def test_big_jpegs_are_decoded_at_reduced_scale_and_other_big_images_skipped(tmp
 
 @pytest.mark.usefixtures("pixel_limits")
 def test_a_jpeg_too_big_even_at_an_eighth_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(silo_core.data, "MAX_IMAGE_PIXELS", 50_000)
+    monkeypatch.setattr(silo_core.data.decoding, "MAX_IMAGE_PIXELS", 50_000)
     write_image(tmp_path / "huge.jpg", 120, (2400, 2400), "L", "JPEG")
     with pytest.raises(DataError, match=r"2400x2400 pixels exceeds the 0.05-megapixel limit even when decoded "
                                         r"at 300x300"):

@@ -88,7 +88,7 @@ def test_size_is_refused_from_the_header_before_pixel_data_is_read(tmp_path, mon
     path = write_dicom(tmp_path / "big.dcm", RAMP)
     decoded = []
     monkeypatch.setattr(pydicom.pixels, "pixel_array", lambda *a, **k: decoded.append(1))
-    monkeypatch.setattr(silo_core.data, "MAX_IMAGE_PIXELS", 63)
+    monkeypatch.setattr(silo_core.data.decoding, "MAX_IMAGE_PIXELS", 63)
     with pytest.raises(DataError, match="8x8 pixels exceeds the 6.3e-05-megapixel limit"):
         load_image_file(path, 8, 1)
     assert decoded == []

@@ -50,15 +50,15 @@ def write_folder(root: Path, count: int, classes: int = 0, seed: int = 0) -> lis
 
 @pytest.fixture
 def decodes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Every path _decode is called on, in this process (count with workers=0)."""
+    """Every path decode_file is called on, in this process (count with workers=0)."""
     seen: list[Path] = []
-    real = silo_core.data._decode
+    real = silo_core.data.decoding.decode_file
 
     def counting(path, image_size, channels):
         seen.append(Path(path))
         return real(path, image_size, channels)
 
-    monkeypatch.setattr(silo_core.data, "_decode", counting)
+    monkeypatch.setattr(silo_core.data.decoding, "decode_file", counting)
     return seen
 
 

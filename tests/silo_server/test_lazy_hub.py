@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS, ImageFiles, _worker_start
+from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS, ImageFiles
+from silo_core.data.lazy import _worker_start
 from silo_server.app import HubApp
 from silo_server.config import ConfigError, parse_config
 
