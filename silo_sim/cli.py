@@ -12,27 +12,18 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
-from silo_core.selection import BestRound
+from silo_sim.federation import Launched, launch, read_history, run_federation, terminate
+from silo_sim.report import console, server_only_baseline, summary_table
 from silo_sim.stage import DATA_HELP, load_source
-
-console = Console(stderr=False)
-if not console.is_terminal:  # logs and pipes: wide enough that the summary table is never truncated
-    console = Console(stderr=False, width=120)
 
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
@@ -255,316 +246,6 @@ def check_secure_aggregation_fits(config: dict[str, Any], silos: int) -> None:
                          "--hub-set privacy.secure_aggregation.dropouts=0")
 
 
-def _terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    end = time.time() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, end - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
-    """The hub's history.json: its rounds and the initial model's scores (none while the hub has not written it)."""
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return [], Scores()
-    return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
-
-
-def hub_port(staged) -> int:
-    """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
-    hub.yaml's server.port, or (0, the sim's default) a free one picked here and handed to silo-server --port."""
-    server = yaml.safe_load(staged.hub_config.read_text()).get("server") or {}
-    if int(server.get("port", 0)):
-        return int(server["port"])
-    import socket
-
-    with socket.create_server((server.get("host", "127.0.0.1"), 0)) as probe:
-        return probe.getsockname()[1]
-
-
-@dataclass
-class Launched:
-    """The hub and the worker processes, started as soon as the hub's part of the staging is written (launch):
-    their imports and the hub's loading run while the silos' files are still being linked, and each worker waits
-    for its spec file before it sets its silos up."""
-
-    hub: subprocess.Popen
-    port: int
-    workers: list[subprocess.Popen]
-    started: float
-
-    @property
-    def procs(self) -> list[subprocess.Popen]:
-        return [self.hub, *self.workers]
-
-
-def host_count(args: argparse.Namespace, silos: int) -> int:
-    """Silo hosts: --workers, else one per core; never more than silos; none for a hub-only algorithm."""
-    if not getattr(args, "needs_silos", True):
-        return 0
-    return max(1, min(args.workers or os.cpu_count() or 2, silos))
-
-
-def launch(staged, args) -> Launched:
-    """Start the hub, and with the default engine the worker processes (each waits for its worker-N.json)."""
-    logs = staged.root / "logs"
-    logs.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    started = time.time()
-    port = hub_port(staged)
-    hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config),
-                            "--port", str(port)],
-                           stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
-    workers = []
-    if getattr(args, "engine", "workers") != "ray":
-        for w in range(host_count(args, args.silos)):
-            spec_path = staged.root / f"worker-{w}.json"
-            spec_path.unlink(missing_ok=True)
-            workers.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path),
-                                             "--wait-for-spec"],
-                                            stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT,
-                                            env=env))
-    return Launched(hub, port, workers, started)
-
-
-def run_federation(staged, args, rounds: int, launched: Launched | None = None) -> tuple[int, list[RoundRecord], float]:
-    """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes, or
-    adopt those `launch` started while staging; follow progress; return (rc, history, seconds).
-
-    The hosts start at once, not when the hub listens: their imports and their silos' set-up run while the hub
-    loads, and each host waits for the hub's port before its silos dial it (silo_sim/worker.py)."""
-    cores = os.cpu_count() or 2
-    launched = launched or launch(staged, args)
-    workers = len(launched.workers) or host_count(args, len(staged.silos))
-    logs = staged.root / "logs"
-    attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
-    policies = silo_policies(getattr(args, "silo_policy", []), len(staged.silos))
-    started, hub, port = launched.started, launched.hub, launched.port
-    procs = launched.procs
-    ray_hosts = None
-    try:
-        if getattr(args, "engine", "workers") == "ray" and workers:
-            from silo_sim.ray_engine import RaySiloHosts, actor_count
-
-            # Ray starts while the hub trains on its labels; the cluster's size decides how many hosts.
-            ray_hosts = RaySiloHosts(logs, 1.0 if args.silo_cpus is None else args.silo_cpus, args.silo_gpus or 0.0,
-                                     args.ray_address)
-            workers = actor_count(ray_hosts.connect(), len(staged.silos), ray_hosts.silo_cpus, ray_hosts.silo_gpus,
-                                  args.workers)
-        hub_address = f"{getattr(args, 'hub_host', '127.0.0.1')}:{port}"
-        metrics_files, ray_specs = [], []
-        for w in range(workers):
-            metrics_files.append(staged.root / f"worker-{w}.metrics_port")
-            metrics_files[-1].unlink(missing_ok=True)
-            spec = {
-                "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
-                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
-                "watched": bool(getattr(args, "prometheus_targets", None)),
-                "ship_files": bool(getattr(args, "ship_silo_files", False)),
-                "load_when_sampled": not getattr(args, "load_at_join", False),
-                "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
-                           "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
-                           "labels": str(s.labels), "attack": attacks.get(s.name), "policy": policies.get(s.name)}
-                          for s in staged.silos[w::workers]],
-            }
-            spec_path = staged.root / f"worker-{w}.json"
-            aside = spec_path.with_name(f".{spec_path.name}.tmp")  # whole or absent: its worker is waiting for it
-            aside.write_text(json.dumps(spec))
-            aside.replace(spec_path)
-            if ray_hosts is not None:
-                ray_specs.append(spec)
-        if ray_hosts is not None:
-            ray_hosts.start(ray_specs)
-        port_file = staged.hub_state_dir / "port"  # written once the hub listens (its /metrics port before it)
-        while not port_file.exists():
-            if hub.poll() is not None:
-                raise RuntimeError(f"the hub exited before listening; see {logs / 'hub.log'}:\n"
-                                   + (logs / "hub.log").read_text()[-2000:])
-            time.sleep(0.2)
-        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs,
-                                                check=ray_hosts.check_started if ray_hosts else None)
-        if getattr(args, "prometheus_targets", None):
-            write_prometheus_targets(args.prometheus_targets, metrics_ports)
-        history_path = staged.hub_state_dir / "history.json"
-        targets_stale = False
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=False) as progress:
-            bar = progress.add_task("initial hub training", total=rounds)
-            while hub.poll() is None:
-                history, _ = _read_history(history_path)
-                if history:
-                    last = history[-1]
-                    progress.update(bar, completed=last.round, description=(
-                        f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
-                        f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
-                if ray_hosts is not None:  # a dead actor is reported and, while rounds are left, replaced
-                    replaced = ray_hosts.check(rounds_left=len(history) < rounds)
-                    for line in replaced:
-                        progress.console.print(f"[yellow]{line}")
-                    if getattr(args, "prometheus_targets", None) and (replaced or targets_stale):
-                        # the replacement serves /metrics on a new port: Prometheus follows once it is known
-                        targets_stale = ray_hosts.metrics_pending()
-                        if not targets_stale:
-                            write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
-                                staged, metrics_files, procs, logs))
-                time.sleep(0.5)
-            progress.update(bar, completed=len(_read_history(history_path)[0]))
-        rc = hub.wait()
-        for p in procs[1:]:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        if ray_hosts is not None:
-            ray_hosts.wait(30)
-        if rc != 0:
-            tail = (logs / "hub.log").read_text()[-3000:]
-            raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
-        return rc, _read_history(history_path)[0], time.time() - started
-    finally:
-        _terminate(procs)
-        if ray_hosts is not None:
-            ray_hosts.close()
-
-
-def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
-                            timeout: float = 120.0, check=None) -> dict[str, Any]:
-    """The /metrics port of the hub and the HOST:PORT of every silo host's, once each has written it. `check`
-    raises when a silo host that is not one of `procs` (a Ray actor) failed."""
-    hub_file = staged.hub_state_dir / "metrics_port"
-    end = time.time() + timeout
-    while not all(f.exists() and f.read_text().strip() for f in worker_files):
-        if check is not None:
-            check()
-        for i, p in enumerate(procs[1:]):
-            if p.poll() is not None:
-                raise RuntimeError(f"silo worker {i} exited before serving metrics; see {logs / f'worker-{i}.log'}")
-        if time.time() > end:
-            raise RuntimeError(f"silo workers did not serve metrics within {timeout:.0f}s; see {logs}")
-        time.sleep(0.2)
-    return {"hub": int(hub_file.read_text()) if hub_file.exists() else None,
-            "workers": [metrics_address(f.read_text()) for f in worker_files]}
-
-
-def metrics_address(written: str) -> str:
-    """A silo host's /metrics as HOST:PORT, from what it wrote: a port (on this machine) or a Ray actor's
-    HOST:PORT on its node."""
-    written = written.strip()
-    return written if ":" in written else f"127.0.0.1:{int(written)}"
-
-
-def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
-    """Prometheus file_sd files for the simulation: hub.yml (the hub) and silos.yml (one target per worker).
-
-    Written atomically (Prometheus re-reads them on change), in the layout ops/prometheus/prometheus.yml expects.
-    """
-    import yaml
-
-    directory.mkdir(parents=True, exist_ok=True)
-    groups = {
-        "hub.yml": [{"targets": [f"127.0.0.1:{ports['hub']}"], "labels": {"federation": "silo-sim"}}]
-        if ports["hub"] else [],
-        "silos.yml": [{"targets": [address], "labels": {"federation": "silo-sim", "worker": str(w)}}
-                      for w, address in enumerate(ports["workers"])],
-    }
-    for name, content in groups.items():
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(yaml.safe_dump(content, sort_keys=False))
-        tmp.replace(directory / name)
-
-
-def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str) -> dict[str, Any]:
-    """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
-    import torch
-
-    from silo_core.algorithms.base import HubData
-    from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
-    from silo_core.data import load_labeled_folder
-    from silo_core.models import ModelSpec
-    from silo_core.training import evaluate, resolve_device
-    from silo_server.config import load_config
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    # The staged hub.yaml's model, built as the hub builds it (the staged data's size, channels, normalisation).
-    config = load_config(staged.hub_config)
-    size, channels = config.model.image_size, config.model.in_channels
-    labeled = load_labeled_folder(staged.root / "hub" / "labeled", size, channels)
-    test = load_labeled_folder(staged.root / "hub" / "test", size, channels)
-    spec = ModelSpec.from_config(config.model, len(labeled.classes))
-    # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
-    opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
-    dev = resolve_device(device)
-    algo = ServerOnlyHub(opts, spec, HubData(labeled.images, labeled.labels), dev, seed, rounds)
-    state = algo.init_state()
-    started = time.time()
-    for _ in range(rounds):
-        state, _ = algo.finish_round(state, {}, {})
-    result = evaluate(algo.served_model(state), test.images, test.labels, spec.mean, spec.std, dev)
-    return {"algorithm": "server-only", "test_accuracy": result["accuracy"], "test_loss": result["loss"],
-            "seconds": time.time() - started}
-
-
-def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, algorithm: str,
-                  initial: Scores | None = None) -> Table:
-    table = Table(title=f"silo-sim: {algorithm}")
-    table.add_column("round", justify="right", no_wrap=True, min_width=11)
-    best = BestRound.from_history(history)
-    if best.round:  # the hub kept this round as best_model.safetensors
-        table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
-    private = any(h.dp is not None for h in history)  # the privacy spent, beside what it cost in accuracy
-    # Silos left out of the sample that were handed the round's model (FedSEAL's ensemble_every_round)
-    broadcast = any(h.silos_received for h in history)
-    for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos",
-                *(("received",) if broadcast else ()), "round time", "bytes up", "bytes down",
-                *(("epsilon",) if private else ())):
-        table.add_column(col, justify="right", no_wrap=True)
-    if initial is not None and initial != Scores():  # the hub's model before any silo took part
-        table.add_row("0 (initial)", f"{nan_if_none(initial.test_accuracy):.4f}",
-                      *((f"{nan_if_none(initial.validation_accuracy):.4f} ",) if best.round else ()),
-                      "-", "-", "-", *(("-",) if broadcast else ()), "-", "-", "-",
-                      *(("-",) if private else ()), style="dim")
-    for h in history:
-        validation = ((f"{nan_if_none(h.scores.validation_accuracy):.4f}{'*' if h.round == best.round else ' '}",)
-                      if best.round else ())
-        table.add_row(
-            str(h.round), f"{nan_if_none(h.scores.test_accuracy):.4f}", *validation,
-            f"{h.pseudo_label_ratio:.3f}" if h.pseudo_label_ratio is not None else "-",
-            f"{h.pseudo_label_accuracy:.3f}" if h.pseudo_label_accuracy is not None else "-",
-            f"{h.silos_reported or 0}/{h.silos_sampled or 0}",
-            *((f"{h.silos_received or 0} ({_human(h.bytes_down_received or 0)})",) if broadcast else ()),
-            f"{h.round_seconds or 0:.1f}s",
-            _human(h.bytes_up or 0), _human(h.bytes_down or 0), *((_epsilon(h),) if private else ()),
-        )
-    if baseline:
-        table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.round else ()), "-", "-",
-                      "-", *(("-",) if broadcast else ()), f"{baseline['seconds']:.1f}s", "-", "-",
-                      *(("-",) if private else ()), style="dim")
-    return table
-
-
-def _epsilon(record: RoundRecord) -> str:
-    """Epsilon spent after the round, and the budget when there is one."""
-    dp = record.dp
-    if dp is None:
-        return "-"
-    return f"{dp.epsilon:.2f}" + (f" / {dp.epsilon_budget:g}" if dp.epsilon_budget is not None else "")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1000
-    return f"{n:.1f}TB"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
@@ -640,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
                                   hub_staged=lambda hub_part: launched.append(launch(hub_part, args)), **extra)
         console.print(f"staged in {time.time() - t0:.1f}s; the hub started meanwhile; {args.silos} silos join over "
                       f"mutual TLS")
-        _, history, seconds = run_federation(staged, args, args.rounds, launched[0])
+        _, history, seconds = run_federation(staged, args, args.rounds, launched[0],
+                                             silo_policies(args.silo_policy, args.silos))
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
             baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
-        _, initial = _read_history(staged.hub_state_dir / "history.json")
+        _, initial = read_history(staged.hub_state_dir / "history.json")
         console.print(summary_table(history, baseline, args.algorithm, initial))
         final = history[-1] if history else None
         if baseline and final:
@@ -678,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         for early in launched:  # stopped already unless staging failed after they started
-            _terminate(early.procs)
+            terminate(early.procs)
         if workdir is not None and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
 

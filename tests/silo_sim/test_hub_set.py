@@ -32,7 +32,7 @@ def test_bad_settings_fail_before_anything_starts_with_the_key_named(pair, messa
 def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
     from rich.console import Console
 
-    from silo_sim.cli import summary_table
+    from silo_sim.report import summary_table
 
     history = [RoundRecord(round=r, scores=Scores(test_accuracy=t, validation_accuracy=v))
                for r, t, v in ((1, 0.61, 0.70), (2, 0.66, 0.78), (3, 0.64, 0.75))]
@@ -50,7 +50,7 @@ def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
 def test_the_summary_shows_the_privacy_spent_against_the_budget():
     from rich.console import Console
 
-    from silo_sim.cli import summary_table
+    from silo_sim.report import summary_table
 
     dp = DPRound(epsilon=4.7285, delta=1e-5, epsilon_budget=7.5, noise_multiplier=1.0, sample_rate=1.0, clip_norm=0.05)
     console = Console(width=160, record=True)
@@ -75,7 +75,7 @@ def test_the_summary_counts_the_silos_handed_the_model_outside_the_sample():
     many and how many bytes, and a run without that option has no such column."""
     from rich.console import Console
 
-    from silo_sim.cli import summary_table
+    from silo_sim.report import summary_table
 
     record = RoundRecord(round=1, scores=Scores(test_accuracy=0.5), silos_sampled=3, silos_reported=3,
                          silos_received=7, bytes_down_received=957_656)

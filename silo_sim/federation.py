@@ -1,0 +1,248 @@
+"""A staged federation run as real processes: the hub (silo-server) and the silo hosts (worker processes, or Ray
+actors with --engine ray), started as soon as their part of the staging is written, followed round by round, and
+stopped whatever happens; their /metrics addresses handed to Prometheus as file_sd targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
+from silo_sim.report import console
+
+
+def terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
+    """The hub's history.json: its rounds and the initial model's scores (none while the hub has not written it)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [], Scores()
+    return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
+
+
+def hub_port(staged) -> int:
+    """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
+    hub.yaml's server.port, or (0, the sim's default) a free one picked here and handed to silo-server --port."""
+    server = yaml.safe_load(staged.hub_config.read_text()).get("server") or {}
+    if int(server.get("port", 0)):
+        return int(server["port"])
+    import socket
+
+    with socket.create_server((server.get("host", "127.0.0.1"), 0)) as probe:
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Launched:
+    """The hub and the worker processes, started as soon as the hub's part of the staging is written (launch):
+    their imports and the hub's loading run while the silos' files are still being linked, and each worker waits
+    for its spec file before it sets its silos up."""
+
+    hub: subprocess.Popen
+    port: int
+    workers: list[subprocess.Popen]
+    started: float
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return [self.hub, *self.workers]
+
+
+def host_count(args: argparse.Namespace, silos: int) -> int:
+    """Silo hosts: --workers, else one per core; never more than silos; none for a hub-only algorithm."""
+    if not getattr(args, "needs_silos", True):
+        return 0
+    return max(1, min(args.workers or os.cpu_count() or 2, silos))
+
+
+def launch(staged, args) -> Launched:
+    """Start the hub, and with the default engine the worker processes (each waits for its worker-N.json)."""
+    logs = staged.root / "logs"
+    logs.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.time()
+    port = hub_port(staged)
+    hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config),
+                            "--port", str(port)],
+                           stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
+    workers = []
+    if getattr(args, "engine", "workers") != "ray":
+        for w in range(host_count(args, args.silos)):
+            spec_path = staged.root / f"worker-{w}.json"
+            spec_path.unlink(missing_ok=True)
+            workers.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path),
+                                             "--wait-for-spec"],
+                                            stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT,
+                                            env=env))
+    return Launched(hub, port, workers, started)
+
+
+def run_federation(staged, args, rounds: int, launched: Launched | None = None,
+                   policies: dict[str, str] | None = None) -> tuple[int, list[RoundRecord], float]:
+    """Start the hub and the silo hosts (worker processes, or Ray actors with --engine ray) as real processes, or
+    adopt those `launch` started while staging; follow progress; return (rc, history, seconds). `policies`: silo
+    name -> its branch policy file (silo-sim --silo-policy).
+
+    The hosts start at once, not when the hub listens: their imports and their silos' set-up run while the hub
+    loads, and each host waits for the hub's port before its silos dial it (silo_sim/worker.py)."""
+    cores = os.cpu_count() or 2
+    launched = launched or launch(staged, args)
+    workers = len(launched.workers) or host_count(args, len(staged.silos))
+    logs = staged.root / "logs"
+    attacks = {s.name: args.attack for s in staged.silos[:getattr(args, "attackers", 0)]}  # simulation only
+    policies = policies or {}
+    started, hub, port = launched.started, launched.hub, launched.port
+    procs = launched.procs
+    ray_hosts = None
+    try:
+        if getattr(args, "engine", "workers") == "ray" and workers:
+            from silo_sim.ray_engine import RaySiloHosts, actor_count
+
+            # Ray starts while the hub trains on its labels; the cluster's size decides how many hosts.
+            ray_hosts = RaySiloHosts(logs, 1.0 if args.silo_cpus is None else args.silo_cpus, args.silo_gpus or 0.0,
+                                     args.ray_address)
+            workers = actor_count(ray_hosts.connect(), len(staged.silos), ray_hosts.silo_cpus, ray_hosts.silo_gpus,
+                                  args.workers)
+        hub_address = f"{getattr(args, 'hub_host', '127.0.0.1')}:{port}"
+        metrics_files, ray_specs = [], []
+        for w in range(workers):
+            metrics_files.append(staged.root / f"worker-{w}.metrics_port")
+            metrics_files[-1].unlink(missing_ok=True)
+            spec = {
+                "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
+                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
+                "watched": bool(getattr(args, "prometheus_targets", None)),
+                "ship_files": bool(getattr(args, "ship_silo_files", False)),
+                "load_when_sampled": not getattr(args, "load_at_join", False),
+                "silos": [{"name": s.name, "certs": str(s.certs), "data": str(s.data) if s.data else None,
+                           "labeled": str(s.labeled) if s.labeled else None, "state_dir": str(s.state_dir),
+                           "labels": str(s.labels), "attack": attacks.get(s.name), "policy": policies.get(s.name)}
+                          for s in staged.silos[w::workers]],
+            }
+            spec_path = staged.root / f"worker-{w}.json"
+            aside = spec_path.with_name(f".{spec_path.name}.tmp")  # whole or absent: its worker is waiting for it
+            aside.write_text(json.dumps(spec))
+            aside.replace(spec_path)
+            if ray_hosts is not None:
+                ray_specs.append(spec)
+        if ray_hosts is not None:
+            ray_hosts.start(ray_specs)
+        port_file = staged.hub_state_dir / "port"  # written once the hub listens (its /metrics port before it)
+        while not port_file.exists():
+            if hub.poll() is not None:
+                raise RuntimeError(f"the hub exited before listening; see {logs / 'hub.log'}:\n"
+                                   + (logs / "hub.log").read_text()[-2000:])
+            time.sleep(0.2)
+        metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs,
+                                                check=ray_hosts.check_started if ray_hosts else None)
+        if getattr(args, "prometheus_targets", None):
+            write_prometheus_targets(args.prometheus_targets, metrics_ports)
+        history_path = staged.hub_state_dir / "history.json"
+        targets_stale = False
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console, transient=False) as progress:
+            bar = progress.add_task("initial hub training", total=rounds)
+            while hub.poll() is None:
+                history, _ = read_history(history_path)
+                if history:
+                    last = history[-1]
+                    progress.update(bar, completed=last.round, description=(
+                        f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
+                        f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
+                if ray_hosts is not None:  # a dead actor is reported and, while rounds are left, replaced
+                    replaced = ray_hosts.check(rounds_left=len(history) < rounds)
+                    for line in replaced:
+                        progress.console.print(f"[yellow]{line}")
+                    if getattr(args, "prometheus_targets", None) and (replaced or targets_stale):
+                        # the replacement serves /metrics on a new port: Prometheus follows once it is known
+                        targets_stale = ray_hosts.metrics_pending()
+                        if not targets_stale:
+                            write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
+                                staged, metrics_files, procs, logs))
+                time.sleep(0.5)
+            progress.update(bar, completed=len(read_history(history_path)[0]))
+        rc = hub.wait()
+        for p in procs[1:]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        if ray_hosts is not None:
+            ray_hosts.wait(30)
+        if rc != 0:
+            tail = (logs / "hub.log").read_text()[-3000:]
+            raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
+        return rc, read_history(history_path)[0], time.time() - started
+    finally:
+        terminate(procs)
+        if ray_hosts is not None:
+            ray_hosts.close()
+
+
+def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
+                            timeout: float = 120.0, check=None) -> dict[str, Any]:
+    """The /metrics port of the hub and the HOST:PORT of every silo host's, once each has written it. `check`
+    raises when a silo host that is not one of `procs` (a Ray actor) failed."""
+    hub_file = staged.hub_state_dir / "metrics_port"
+    end = time.time() + timeout
+    while not all(f.exists() and f.read_text().strip() for f in worker_files):
+        if check is not None:
+            check()
+        for i, p in enumerate(procs[1:]):
+            if p.poll() is not None:
+                raise RuntimeError(f"silo worker {i} exited before serving metrics; see {logs / f'worker-{i}.log'}")
+        if time.time() > end:
+            raise RuntimeError(f"silo workers did not serve metrics within {timeout:.0f}s; see {logs}")
+        time.sleep(0.2)
+    return {"hub": int(hub_file.read_text()) if hub_file.exists() else None,
+            "workers": [metrics_address(f.read_text()) for f in worker_files]}
+
+
+def metrics_address(written: str) -> str:
+    """A silo host's /metrics as HOST:PORT, from what it wrote: a port (on this machine) or a Ray actor's
+    HOST:PORT on its node."""
+    written = written.strip()
+    return written if ":" in written else f"127.0.0.1:{int(written)}"
+
+
+def write_prometheus_targets(directory: Path, ports: dict[str, Any]) -> None:
+    """Prometheus file_sd files for the simulation: hub.yml (the hub) and silos.yml (one target per worker).
+
+    Written atomically (Prometheus re-reads them on change), in the layout ops/prometheus/prometheus.yml expects.
+    """
+    import yaml
+
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = {
+        "hub.yml": [{"targets": [f"127.0.0.1:{ports['hub']}"], "labels": {"federation": "silo-sim"}}]
+        if ports["hub"] else [],
+        "silos.yml": [{"targets": [address], "labels": {"federation": "silo-sim", "worker": str(w)}}
+                      for w, address in enumerate(ports["workers"])],
+    }
+    for name, content in groups.items():
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(yaml.safe_dump(content, sort_keys=False))
+        tmp.replace(directory / name)
