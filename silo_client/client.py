@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -20,11 +18,8 @@ from typing import Any
 
 import grpc
 import torch
-from cryptography.hazmat.primitives import hashes
 
 from security.audit import AUDIT_FILE, AuditLog
-from security.crl import CrlError, RevocationList
-from security.pki import BUNDLE_CA, BUNDLE_CRL
 from security.secagg.identity import PeerVerifier, SiloIdentity
 from security.terms import (
     FEATURES,
@@ -38,20 +33,14 @@ from security.terms import (
     terms_sha256,
 )
 from security.terms import as_dict as terms_dict
-from security.tls import (
-    describe_tls_failure,
-    hub_certificate,
-    hub_tls_context,
-    insecure_dev_channel,
-    secure_channel,
-)
+from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
 from silo_client.errors import SiloError, SiloLeft
 from silo_client.hub_link import (
-    HUB_SERIALS_SEEN,
+    HUB_CHECK_EVERY_S,
+    HubCertificateCheck,
     HubCertificateUnchecked,
-    HubSeen,
     HubTlsRefused,
     describe_rpc_error,
     retry_after_s,
@@ -89,7 +78,6 @@ from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_te
 from silo_core.training import resolve_device
 
 VERSION = "0.2.0"
-HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
 NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
 
 
@@ -189,25 +177,20 @@ class SiloClient:
             raise SiloError("no certificate bundle given: pass --certs with a bundle from `silo-certs issue-silo`")
         else:
             self.channel = secure_channel(settings.hub, settings.certs, options=options)
-        self.revocations = self._revocation_list()
+        # A handshake of our own before joining checks the hub's certificate against the CRL, and tells a
+        # verification failure that will not fix itself from a hub that is merely away.
+        self.hub_check = HubCertificateCheck(settings.hub, settings.certs, settings.crl,
+                                             enabled=settings.certs is not None and not settings.insecure_dev_silo_id)
         self.state_dir = self._state_dir()
         self.policy = settings.policy
         # What leaves the branch: one door (Outbox), audited before it is sent; the silo's own privacy ledger.
         self.audit = AuditLog(self.state_dir / AUDIT_FILE)
         self.ledger = BranchLedger(self.state_dir, delta=self.policy.delta if self.policy else DEFAULT_DELTA)
-        self.hub_seen = HubSeen(0, "")
         self.factories = allowed_factories(self.policy, settings.model_factories)
         self.pinned: silo_pb2.PrivacyTerms | None = None  # the run's terms, checked and pinned at its first join
         self.pinned_for = ""  # that run's id
-        # A handshake of our own before joining: it checks the hub's certificate against the CRL, and tells a
-        # verification failure that will not fix itself from a hub that is merely away. Its TLS context is built
-        # when this silo first makes that handshake itself (see HubSerialsSeen).
-        self.checks_hub = settings.certs is not None and not settings.insecure_dev_silo_id
-        self.hub_tls: ssl.SSLContext | None = None
-        self.trusted_ca = (settings.certs / BUNDLE_CA).read_bytes() if self.checks_hub else b""
-        self.hub_checked_at = -math.inf
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
-        self.outbox = Outbox(self.stub, self.audit, self.policy, self._hub_identity)
+        self.outbox = Outbox(self.stub, self.audit, self.policy, self.hub_check.identity)
         self.run: silo_pb2.RunDescription | None = None
         self.model_checked_for = ""  # the run whose model this silo checked it may and can build
         self.silo_id = ""
@@ -218,9 +201,9 @@ class SiloClient:
         self.skipped_images = 0
         self.skipped_at_load = 0  # files refused when the folders were loaded; the rest were found while training
         identity = verifier = None
-        if self.checks_hub:  # secure aggregation: this silo signs its keys and checks its neighbours' certificates
+        if self.hub_check.enabled:  # secure aggregation: this silo signs its keys, checks its neighbours'
             identity = SiloIdentity.from_bundle(settings.certs)
-            verifier = PeerVerifier(self.trusted_ca, self._revoked)
+            verifier = PeerVerifier(self.hub_check.trusted_ca, self.hub_check.revoked)
         self.privacy = SiloPrivacy(send_result=self.outbox.upload, send_stage=self.outbox.stage, identity=identity,
                                    verifier=verifier)
         say_policy_once(self.log, self.policy, self.state_dir)
@@ -228,49 +211,7 @@ class SiloClient:
         self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
         self.left: SiloLeft | None = None  # set when this branch's policy ended its part in the run
 
-    # ------------------------------------------------------------------ the hub's certificate
-    def _revocation_list(self) -> RevocationList | None:
-        """The CA's revocation list (--crl, else crl.pem in the bundle when there is one), or None: no check."""
-        if self.s.certs is None:
-            return None
-        path = self.s.crl or self.s.certs / BUNDLE_CRL
-        if self.s.crl is None and not path.is_file():
-            return None
-        try:
-            return RevocationList(path, self.s.certs / BUNDLE_CA, where_set="pass --crl with the CA's crl.pem")
-        except CrlError as err:
-            raise SiloError(str(err)) from None
-
-    def _check_hub_certificate(self, unless_checked_within_s: float = 0.0) -> None:
-        """Refuse a hub whose certificate the CA has revoked. gRPC Python cannot check a CRL in its handshake, so
-        a handshake of our own (a few ms) fetches the certificate the hub's address serves; done before joining and
-        before a round's download once a minute, so a key stolen from the hub is refused within a minute of the
-        new crl.pem reaching the silo. A serial another silo of this process saw at the same address under the same
-        CA within the minute is used instead of a handshake (HubSerialsSeen). HubCertificateUnchecked when the hub
-        cannot be reached or does not pass verification (the caller retries)."""
-        if not self.checks_hub:
-            return
-        if time.monotonic() - self.hub_checked_at < unless_checked_within_s:
-            return
-        seen = HUB_SERIALS_SEEN.recent(self.s.hub, self.trusted_ca, within_s=HUB_CHECK_EVERY_S)
-        if seen is None or self._revoked(seen.serial):  # a revoked one afresh: the hub may have its new one by now
-            seen = self._hub_serial()
-            HUB_SERIALS_SEEN.saw(self.s.hub, self.trusted_ca, seen)
-        serial = seen.serial
-        if not self._revoked(serial):
-            self.hub_checked_at = time.monotonic()
-            self.hub_seen = seen
-        else:
-            raise SiloError(
-                f"the hub at {self.s.hub} presents certificate serial {serial:x}, which the federation CA revoked "
-                f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
-                f"was sent. Ask the federation's operator for the hub's current address and certificate")
-
-    def _hub_identity(self) -> dict[str, str]:
-        """For the audit: the hub certificate this silo's own handshake last verified (empty in dev mode)."""
-        seen = self.hub_seen
-        return {"serial": f"{seen.serial:x}" if seen.serial else "", "fingerprint": seen.fingerprint}
-
+    # ------------------------------------------------------------------ state
     def _state_dir(self) -> Path:
         """Where this silo keeps its state (ledger, audit, algorithm state): --state-dir, else beside its data."""
         if self.s.state_dir is not None:
@@ -280,28 +221,6 @@ class SiloClient:
             folder = anchor.parent / f".silokit-state-{anchor.name}"
         folder.mkdir(parents=True, exist_ok=True)
         return folder
-
-    def _revoked(self, serial: int) -> bool:
-        return self.revocations is not None and self.revocations.is_revoked(serial)
-
-    def _hub_serial(self) -> HubSeen:
-        """The certificate the hub presents, from a verified handshake of this silo's own."""
-        if self.hub_tls is None:
-            self.hub_tls = hub_tls_context(self.s.certs)
-        try:
-            cert = hub_certificate(self.s.hub, self.hub_tls)
-            return HubSeen(cert.serial_number, cert.fingerprint(hashes.SHA256()).hex())
-        except ssl.SSLError as err:
-            permanent = describe_tls_failure(err, self.s.hub)
-            if permanent is not None:
-                raise HubTlsRefused(permanent) from None
-            raise HubCertificateUnchecked(
-                f"TLS handshake with the hub at {self.s.hub} failed ({err}), so its certificate could not be checked "
-                f"against the revocation list; check that --certs holds a bundle issued by the hub's CA and that "
-                f"--hub names the host on the hub certificate") from None
-        except OSError as err:
-            raise HubCertificateUnchecked(f"cannot reach the hub at {self.s.hub} to check its certificate ({err}); "
-                                          f"check --hub HOST:PORT and that silo-server runs") from None
 
     # ------------------------------------------------------------------ setup from the run description
     def _join(self) -> None:
@@ -315,7 +234,7 @@ class SiloClient:
 
         With load_when_sampled the silo joins ready at once on its file count and loads at its first task
         (_load_if_deferred); files found unreadable then lower its count at its next join."""
-        self._check_hub_certificate()
+        self.hub_check.check()
         loaded = self.data is not None
         if self.policy is not None and self.pinned is None:
             # A branch with a policy says nothing of its data before it has checked the run's terms.
@@ -392,7 +311,7 @@ class SiloClient:
                                 f"newer (upgrade the hub first, then the branches)"))
         digest = terms_sha256(run.terms)
         self.outbox.pin(run.run_id, digest, int(run.chunk_bytes))
-        self.audit.append("terms", hub=self._hub_identity(), run=run.run_id, terms=terms_dict(run.terms),
+        self.audit.append("terms", hub=self.hub_check.identity(), run=run.run_id, terms=terms_dict(run.terms),
                           terms_sha256=digest, protocol_version=run.protocol_version)
         if self.policy is not None:
             dp = run.terms.client_dp
@@ -405,8 +324,8 @@ class SiloClient:
         self.pinned, self.pinned_for = silo_pb2.PrivacyTerms(), run.run_id
         self.pinned.CopyFrom(run.terms)
         dp = run.terms.client_dp
-        self.ledger.begin_run(run.run_id, hub_serial=self._hub_identity()["serial"],
-                              hub_fingerprint=self.hub_seen.fingerprint, terms_sha256=digest,
+        self.ledger.begin_run(run.run_id, hub_serial=self.hub_check.identity()["serial"],
+                              hub_fingerprint=self.hub_check.seen.fingerprint, terms_sha256=digest,
                               client_dp_noise=dp.noise_multiplier if guards_against_hub(dp) else None,
                               sample_dp=run.terms.sample_dp.enabled)
         if (run.run_id, digest) not in _TERMS_SAID:  # once per process and run: a silo-sim host has hundreds
@@ -536,7 +455,7 @@ class SiloClient:
 
     def _plan(self, task: silo_pb2.Task) -> RoundPlan:
         """The round's plan: the task's fields and its downloaded bundle (TRAIN and RECEIVE alike)."""
-        self._check_hub_certificate(unless_checked_within_s=HUB_CHECK_EVERY_S)
+        self.hub_check.check(unless_checked_within_s=HUB_CHECK_EVERY_S)
         expected = {s.name: TensorSpec(tuple(s.shape), s.dtype) for s in task.expected}
         tensors = self._download(task)
         return RoundPlan(round=task.round, tensors=tensors,

@@ -1,17 +1,26 @@
-"""The hub at the other end of the wire, as a silo sees it: the certificate it presented (HubSeen, shared by the
+"""The hub at the other end of the wire, as a silo sees it: the certificate it presented, checked against the
+federation CA's revocation list by a handshake of the silo's own (HubCertificateCheck; what it saw is shared by the
 silos of one process for a minute), why a call failed in words an operator can act on, and the wait a rate refusal
 asks for."""
 
 from __future__ import annotations
 
 import math
+import ssl
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from cryptography.hazmat.primitives import hashes
 
-from security.tls import RETRY_AFTER_KEY
+from security.crl import CrlError, RevocationList
+from security.pki import BUNDLE_CA, BUNDLE_CRL
+from security.tls import RETRY_AFTER_KEY, describe_tls_failure, hub_certificate, hub_tls_context
+from silo_client.errors import SiloError
+
+HUB_CHECK_EVERY_S = 60.0  # how often, at most, a silo checks the hub's certificate before a round's download
 
 
 class HubCertificateUnchecked(Exception):
@@ -79,3 +88,78 @@ def retry_after_s(err: grpc.RpcError) -> float | None:
             except (TypeError, ValueError):
                 return None
     return None
+
+
+class HubCertificateCheck:
+    """Refuses a hub whose certificate the federation CA has revoked. gRPC Python cannot check a CRL in its
+    handshake, so a handshake of the silo's own (a few ms) fetches the certificate the hub's address serves: before
+    joining, and before a round's download at most once a minute, so a key stolen from the hub is refused within a
+    minute of the new crl.pem reaching the silo. Off (`enabled` False) without a certificate bundle or in dev mode.
+
+    `certs`: the silo's bundle (its ca.pem is the CA trusted; crl.pem the revocation list unless `crl` names one;
+    neither: no revocation check). Raises SiloError at once when the revocation list cannot be read."""
+
+    def __init__(self, hub: str, certs: Path | None, crl: Path | None, enabled: bool):
+        self.hub, self.certs, self.enabled = hub, certs, enabled
+        self.revocations = self._revocation_list(crl)
+        self.trusted_ca = (certs / BUNDLE_CA).read_bytes() if enabled else b""
+        self.tls: ssl.SSLContext | None = None  # built when this silo first makes the handshake itself
+        self.checked_at = -math.inf
+        self.seen = HubSeen(0, "")  # the certificate last verified (for the audit: which hub received what)
+
+    def _revocation_list(self, crl: Path | None) -> RevocationList | None:
+        """The CA's revocation list (`crl`, else crl.pem in the bundle when there is one), or None: no check."""
+        if self.certs is None:
+            return None
+        path = crl or self.certs / BUNDLE_CRL
+        if crl is None and not path.is_file():
+            return None
+        try:
+            return RevocationList(path, self.certs / BUNDLE_CA, where_set="pass --crl with the CA's crl.pem")
+        except CrlError as err:
+            raise SiloError(str(err)) from None
+
+    def revoked(self, serial: int) -> bool:
+        return self.revocations is not None and self.revocations.is_revoked(serial)
+
+    def identity(self) -> dict[str, str]:
+        """For the audit: the hub certificate this silo's own handshake last verified (empty in dev mode)."""
+        return {"serial": f"{self.seen.serial:x}" if self.seen.serial else "", "fingerprint": self.seen.fingerprint}
+
+    def check(self, unless_checked_within_s: float = 0.0) -> None:
+        """Check the hub's certificate now, unless this silo did within `unless_checked_within_s`. A serial another
+        silo of this process saw at the same address under the same CA within the minute is used instead of a
+        handshake (HubSerialsSeen), unless this silo's CRL revokes it. SiloError for a revoked hub;
+        HubCertificateUnchecked when the hub cannot be reached or does not pass verification (the caller retries)."""
+        if not self.enabled or time.monotonic() - self.checked_at < unless_checked_within_s:
+            return
+        seen = HUB_SERIALS_SEEN.recent(self.hub, self.trusted_ca, within_s=HUB_CHECK_EVERY_S)
+        if seen is None or self.revoked(seen.serial):  # a revoked one afresh: the hub may have its new one by now
+            seen = self._handshake()
+            HUB_SERIALS_SEEN.saw(self.hub, self.trusted_ca, seen)
+        if self.revoked(seen.serial):
+            raise SiloError(
+                f"the hub at {self.hub} presents certificate serial {seen.serial:x}, which the federation CA revoked "
+                f"(revocation list {self.revocations.crl_path}); whoever holds that key may not be the hub. Nothing "
+                f"was sent. Ask the federation's operator for the hub's current address and certificate")
+        self.checked_at = time.monotonic()
+        self.seen = seen
+
+    def _handshake(self) -> HubSeen:
+        """The certificate the hub presents, from a verified handshake of this silo's own."""
+        if self.tls is None:
+            self.tls = hub_tls_context(self.certs)
+        try:
+            cert = hub_certificate(self.hub, self.tls)
+            return HubSeen(cert.serial_number, cert.fingerprint(hashes.SHA256()).hex())
+        except ssl.SSLError as err:
+            permanent = describe_tls_failure(err, self.hub)
+            if permanent is not None:
+                raise HubTlsRefused(permanent) from None
+            raise HubCertificateUnchecked(
+                f"TLS handshake with the hub at {self.hub} failed ({err}), so its certificate could not be checked "
+                f"against the revocation list; check that --certs holds a bundle issued by the hub's CA and that "
+                f"--hub names the host on the hub certificate") from None
+        except OSError as err:
+            raise HubCertificateUnchecked(f"cannot reach the hub at {self.hub} to check its certificate ({err}); "
+                                          f"check --hub HOST:PORT and that silo-server runs") from None

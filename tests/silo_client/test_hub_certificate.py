@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-import silo_client.client
+import silo_client.hub_link
 from security import pki, tls
 from security.crl import RevocationList
 from security.gate import PeerGate
@@ -50,11 +50,11 @@ def test_the_silo_reads_the_certificate_the_hub_serves_and_the_hub_keeps_serving
 def test_a_silo_refuses_a_hub_whose_certificate_was_revoked_before_sending_anything(federation) -> None:
     client = client_for(federation)
     try:
-        client._check_hub_certificate()  # the bundle's crl.pem lists nothing: the check passes
+        client.hub_check.check()  # the bundle's crl.pem lists nothing: the check passes
         hub_serial = pki.find_certificates(federation["ca"], "hub")[0].serial
         pki.revoke(federation["ca"], hub_serial)
         shutil.copyfile(federation["ca"] / "crl.pem", federation["silo"] / "crl.pem")  # what the operator copies
-        client._check_hub_certificate(unless_checked_within_s=60.0)  # before a round: checked a moment ago
+        client.hub_check.check(unless_checked_within_s=60.0)  # before a round: checked a moment ago
         with pytest.raises(SiloError, match=f"presents certificate serial {int(hub_serial, 16):x}, which the "
                                             "federation CA revoked") as err:
             client._join()  # checked before the Join call (this test server has no Join: it would fail otherwise)
@@ -71,12 +71,12 @@ def test_silos_of_one_process_share_one_checking_handshake_and_a_revoked_serial_
         handshakes.append(target)
         return tls.hub_certificate(target, context, timeout_s)
 
-    monkeypatch.setattr(silo_client.client, "hub_certificate", counting)
+    monkeypatch.setattr(silo_client.hub_link, "hub_certificate", counting)
     silos = [client_for(federation) for _ in range(3)]  # one silo-sim host's silos: same hub, same CA
     try:
         for silo in silos:
-            silo._check_hub_certificate()
-        assert len(handshakes) == 1 and silos[1].hub_tls is None  # the others built no TLS context either
+            silo.hub_check.check()
+        assert len(handshakes) == 1 and silos[1].hub_check.tls is None  # the others built no TLS context either
         # A serial seen that this silo's CRL revokes is not trusted: the hub may present its new certificate now.
         other = pki.issue_silo(federation["ca"], "s2", federation["root"] / "s2")
         revoked = x509.load_pem_x509_certificate((other / "cert.pem").read_bytes()).serial_number
@@ -84,7 +84,7 @@ def test_silos_of_one_process_share_one_checking_handshake_and_a_revoked_serial_
         shutil.copyfile(federation["ca"] / "crl.pem", federation["silo"] / "crl.pem")
         HUB_SERIALS_SEEN.saw(federation["target"], (federation["silo"] / "ca.pem").read_bytes(),
                              HubSeen(revoked, "00" * 32))
-        silos[0]._check_hub_certificate()  # passes: a handshake of its own saw the hub's real serial
+        silos[0].hub_check.check()  # passes: a handshake of its own saw the hub's real serial
         assert len(handshakes) == 2
     finally:
         for silo in silos:
