@@ -12,10 +12,11 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import yaml
 
 from silo_sim.federation import Launched, launch, read_history, run_federation, terminate
 from silo_sim.report import console, server_only_baseline, summary_table
-from silo_sim.stage import DATA_HELP, load_source
+from silo_sim.staged import DATA_HELP, STAGING_EVENT, StagedFederation
 
 # Demo defaults: tuned so the whole demo takes a few minutes on 2 CPU cores and shows what silos add. They differ
 # from the paper's (which needs hundreds of rounds): tau 0.8 instead of 0.95 lets pseudo-labels cover more classes
@@ -246,7 +247,37 @@ def check_secure_aggregation_fits(config: dict[str, Any], silos: int) -> None:
                          "--hub-set privacy.secure_aggregation.dropouts=0")
 
 
+class Staging:
+    """The staging process (silo_sim/prepare.py, `python -m silo_sim.prepare` with this command's options): what it
+    says to the user is passed on as it comes, its events (STAGING_EVENT lines) are handed to the caller."""
+
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "silo_sim.prepare", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.errors = threading.Thread(target=self._pass_errors_on, daemon=True)
+        self.errors.start()
+
+    def _pass_errors_on(self) -> None:
+        for line in self.proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        for line in self.proc.stdout:
+            if line.startswith(STAGING_EVENT):
+                yield json.loads(line[len(STAGING_EVENT):])
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    def wait(self) -> int:
+        rc = self.proc.wait()
+        self.errors.join(timeout=5)
+        return rc
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     # SIGTERM unwinds like Ctrl-C would, so the hub and the workers this process started are stopped too.
@@ -254,75 +285,29 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = None
     launched: list[Launched] = []
+    staging = None
     try:
-        from silo_core.algorithms import get_algorithm
-        from silo_sim.attacks import check_attack
-        from silo_sim.stage import stage_federation
-
-        entry = get_algorithm(args.algorithm)
-        args.needs_silos = entry.hub.needs_silos
-        if args.silos < 1:
-            raise ValueError("--silos must be at least 1")
-        if args.attackers < 0 or args.attackers > args.silos:
-            raise ValueError(f"--attackers must be between 0 and --silos ({args.silos}), got {args.attackers}")
-        if args.attackers and not entry.hub.needs_silos:
-            raise ValueError(f"--attackers needs silos, and {args.algorithm} runs at the hub alone")
-        check_attack(args.attack, "--attack")
-        silo_policies(args.silo_policy, args.silos)  # a bad policy file fails here, before anything starts
-        if args.labeled_silos < 0 or args.labeled_silos > args.silos:
-            raise ValueError("--labeled-silos must be between 0 and --silos")
+        # Checking the options and staging run in a process of their own (they import torch and hold the data set);
+        # this one starts the hub and the silo hosts when it is told the hub's part is staged, then follows the run.
         from silo_sim.ray_engine import check_engine_args  # imports Ray only for --engine ray
 
         check_engine_args(args)
-        given = parse_options(args.option)
-        options = {**DEMO_OPTIONS.get(args.algorithm, {}), **given}
-        for line in option_overrides(args.algorithm, given):
-            console.print(line, highlight=False)
-        entry.options.model_validate(options)  # a bad --option fails here, with its name
-        cores = os.cpu_count() or 2
-        source = load_source(args.data, args.image_size)
-        hub_config = {
-            "run": {"seed": args.seed, "device": args.device, "threads": cores},
-            "algorithm": {"name": args.algorithm, "options": options},
-            "model": {"name": args.model, "image_size": source.image_size, "in_channels": source.channels},
-            "wire": {"half_precision": args.half_precision},
-            # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
-            **({"server": {"linger_s": 30.0, "min_linger_s": 30.0}} if getattr(args, "prometheus_targets", None)
-               else {}),
-            "rounds": {"total": args.rounds, "min_silos": args.silos, "deadline_s": 900, **rounds_sampling(args)},
-        }
-        apply_hub_settings(hub_config, args.hub_set)
-        check_secure_aggregation_fits(hub_config, args.silos)
-        extra = {"test_per_class": args.test_per_class, "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
-                 "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class,
-                 "source": source, "hub_host": args.hub_host}
-        if args.export_demo:
-            staged = stage_federation(args.export_demo, num_silos=args.silos, labels_per_class=args.labels_per_class,
-                                      partition=args.partition, alpha=args.alpha,
-                                      classes_per_silo=args.classes_per_silo, unlabeled_limit=args.unlabeled,
-                                      seed=args.seed, hub_config=hub_config, **extra)
-            print(f"staged a demo federation in {staged.root}:")
-            print(f"  hub:   silo-server --config {staged.hub_config}   (port 0 = a free port, written to "
-                  f"{staged.hub_state_dir}/port and bound again on a restart; set server.port to fix it)")
-            for s in staged.silos[:3]:
-                data = (f"--data {s.data} " if s.data else "") + (f"--labeled {s.labeled} " if s.labeled else "")
-                print(f"  silo:  silo-client {data}--certs {s.certs} --hub {args.hub_host}:PORT")
-            if len(staged.silos) > 3:
-                print(f"  ... and {len(staged.silos) - 3} more silos under {staged.root / 'silos'}")
-            return 0
-        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="silo-sim-"))
-        console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
-                      f"in {workdir} from {source.description} ...")
-        t0 = time.time()
-        # The hub (and the worker processes) start once the hub's part is staged, while the silos' files are linked.
-        staged = stage_federation(workdir, num_silos=args.silos, labels_per_class=args.labels_per_class,
-                                  partition=args.partition, alpha=args.alpha, classes_per_silo=args.classes_per_silo,
-                                  unlabeled_limit=args.unlabeled, seed=args.seed, hub_config=hub_config,
-                                  hub_staged=lambda hub_part: launched.append(launch(hub_part, args)), **extra)
-        console.print(f"staged in {time.time() - t0:.1f}s; the hub started meanwhile; {args.silos} silos join over "
-                      f"mutual TLS")
-        _, history, seconds = run_federation(staged, args, args.rounds, launched[0],
-                                             silo_policies(args.silo_policy, args.silos))
+        if not args.export_demo:
+            workdir = args.workdir or Path(tempfile.mkdtemp(prefix="silo-sim-"))
+        staging = Staging(argv + ([] if args.export_demo else ["--workdir", str(workdir)]))
+        done = None
+        for event in staging.events():
+            if event["kind"] == "hub_staged":
+                args.needs_silos = event["needs_silos"]
+                launched.append(launch(StagedFederation.from_json(event["staged"]), args))
+            elif event["kind"] == "staged":
+                done = event
+                break  # the staging process is done; round 1 need not wait for it to exit
+        if done is None:  # it failed (and said why), or it only exported the demo
+            return staging.wait()
+        staged, options, cores = StagedFederation.from_json(done["staged"]), done["options"], os.cpu_count() or 2
+        _, history, seconds = run_federation(staged, args, args.rounds, launched[0], done["policies"])
+        staging.wait()
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
@@ -359,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
+        if staging is not None and staging.proc.poll() is None:
+            terminate([staging.proc])
         for early in launched:  # stopped already unless staging failed after they started
             terminate(early.procs)
         if workdir is not None and args.workdir is None:

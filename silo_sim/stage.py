@@ -25,7 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,29 +47,7 @@ from silo_core.data import (
     save_png_folder,
 )
 from silo_core.partition import make_partition, split_labeled_per_class
-
-
-@dataclass
-class SiloSpec:
-    name: str
-    certs: Path
-    data: Path | None  # None when every image of the silo is labeled
-    state_dir: Path
-    labels: Path
-    num_images: int
-    labeled: Path | None = None
-    num_labeled: int = 0
-
-
-@dataclass
-class StagedFederation:
-    root: Path
-    hub_config: Path
-    hub_state_dir: Path
-    ca_dir: Path
-    silos: list[SiloSpec] = field(default_factory=list)
-    hub_labeled: ImageSet | None = None
-    test: ImageSet | None = None
+from silo_sim.staged import DATA_HELP, SiloSpec, StagedFederation
 
 
 @dataclass
@@ -82,12 +60,6 @@ class SimData:
     image_size: int
     channels: int
     description: str
-
-
-DATA_HELP = ("demo (the bundled 6,000 Fashion-MNIST images), fashion-mnist:ROOT, mnist:ROOT, cifar10:ROOT or "
-             "svhn:ROOT (torchvision's layout under ROOT, e.g. ROOT/FashionMNIST/raw: the whole training split; "
-             "the test set is the dataset's own), or the path of any folder of class sub-folders (e.g. CIFAR-10 "
-             "as JPEG folders; the test set is held out from it)")
 
 
 def load_source(source: str = "demo", image_size: int | None = None) -> SimData:

@@ -125,20 +125,52 @@ def summarise(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ memory of a process tree, sampled while it runs
-def watch(proc: subprocess.Popen) -> tuple[dict[str, float], list[str]]:
-    """Wait for proc, sampling the summed PSS (and RSS) of it and all its descendants every second; returns the
-    peak and its output lines."""
+# What each process of a run is, from its command line: the per-process figure in the table, so that a growth in one
+# engine's memory shows where it is. First match wins.
+ROLES = (
+    ("silo_server.cli", "hub"), ("silo_sim.worker", "silo host"), ("silo_sim.prepare", "silo-sim staging"),
+    ("silo_sim.cli", "silo-sim"),
+    ("forkserver", "loader fork server"), ("--flower-half", "Flower driver (ServerApp, strategy)"),
+    ("ray::", "Ray worker (ClientApp)"), ("raylet", "Ray services"), ("gcs_server", "Ray services"),
+    ("dashboard", "Ray services"), ("log_monitor", "Ray services"), ("runtime_env", "Ray services"),
+    ("monitor.py", "Ray services"), ("ray/", "Ray services"),
+)
+
+
+def role_of(command_line: str) -> str:
+    return next((role for marker, role in ROLES if marker in command_line), "other")
+
+
+def by_role(pids: set[int], table: dict[int, tuple[int, str]], memory: dict[int, tuple[int, int]]
+            ) -> dict[str, dict[str, float]]:
+    """PSS (MB) per role: summed, the largest single process, and how many processes."""
+    roles: dict[str, dict[str, float]] = {}
+    for pid in pids:
+        pss = memory[pid][1] / 1024
+        role = roles.setdefault(role_of(table.get(pid, (0, ""))[1]), {"pss_MB": 0.0, "largest_MB": 0.0, "processes": 0})
+        role["pss_MB"] += pss
+        role["largest_MB"] = max(role["largest_MB"], pss)
+        role["processes"] += 1
+    return dict(sorted(roles.items(), key=lambda kv: -kv[1]["pss_MB"]))
+
+
+def watch(proc: subprocess.Popen) -> tuple[dict[str, Any], list[str]]:
+    """Wait for proc, sampling the PSS (and RSS) of it and all its descendants every second; returns the peak of
+    their sum, with what each kind of process held at that moment (`roles`), and its output lines."""
     from bench.systems.engines import descendants, memory_kb, processes
 
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
-    peak = {"pss_MB": 0.0, "rss_MB": 0.0, "processes": 0}
+    peak: dict[str, Any] = {"pss_MB": 0.0, "rss_MB": 0.0, "processes": 0, "roles": {}}
     while proc.poll() is None:
-        pids = descendants({proc.pid}, processes())
-        rss, pss = (sum(v) for v in zip(*(memory_kb(p) for p in pids), strict=True)) if pids else (0, 0)
+        table = processes()
+        pids = descendants({proc.pid}, table)
+        memory = {p: memory_kb(p) for p in pids}
+        rss, pss = (sum(v) for v in zip(*memory.values(), strict=True)) if pids else (0, 0)
         if pss / 1024 > peak["pss_MB"]:
-            peak = {"pss_MB": pss / 1024, "rss_MB": rss / 1024, "processes": len(pids)}
+            peak = {"pss_MB": pss / 1024, "rss_MB": rss / 1024, "processes": len(pids),
+                    "roles": by_role(pids, table, memory)}
         time.sleep(1.0)
     reader.join(timeout=5)
     return peak, output
@@ -386,6 +418,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"{st['round_seconds']:.2f} s | {cycle} | {st['train_sum_seconds']:.2f} s | "
             f"**{st['overhead_seconds']:.2f} s** | {mem['pss_MB']:,.0f} MB ({mem['rss_MB']:,.0f} MB, "
             f"{mem['processes']} processes) | {run['load_before']:.1f} / {run['load_after']:.1f} |")
+    lines += ["", "Peak PSS by process, at the moment the sum peaked (MB: summed over the processes of that kind, "
+              "and the largest one):", ""]
+    for run in result["runs"]:
+        roles = run.get("peak_memory", {}).get("roles")
+        if roles:
+            lines.append(f"- {run['silos']:,} silos, {run['engine']}: " + "; ".join(
+                f"{name} {r['pss_MB']:,.0f}" + (f" ({r['processes']} processes, largest {r['largest_MB']:,.0f})"
+                                                if r["processes"] > 1 else "") for name, r in roles.items()))
     lines += ["", "Per round (round time / overhead, seconds):", ""]
     for run in result["runs"]:
         if "rounds" in run:
