@@ -292,8 +292,11 @@ def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
         s.start()
     state = hub.run()
     noise = state.tensors["model/x"] - 0.75  # mean of 0.25..1.25
-    assert float(noise.std()) == pytest.approx(z * clip / 5, rel=0.06)
-    assert abs(float(noise.mean())) < 3 * z * clip / 5 / D ** 0.5
+    assert float(noise.std()) == pytest.approx(z * clip / 5, rel=0.06)  # about 5 standard errors of the std
+    # Centred: the noise comes from the OS's random source (never seeded, by design), so the bound is 5 standard
+    # errors of the mean (a false alarm once in about 2 million runs); 3 of them failed CI once (3.1), and 60 runs
+    # gave means of mean -0.01 and spread 1.04 standard errors, i.e. no bias.
+    assert abs(float(noise.mean())) < 5 * z * clip / 5 / D ** 0.5
 
 
 def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
