@@ -265,10 +265,6 @@ class HubApp:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.keepalive_permit_without_calls", 1),
         ])
-        if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
-            m = self.config.metrics
-            metrics_port = self.metrics.serve(m.host, m.port)
-            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         port_file = Path(self.config.run.state_dir) / "port"
         port, picked_before = s.port, False
         if port == 0 and port_file.is_file():
@@ -278,6 +274,13 @@ class HubApp:
         host = "127.0.0.1" if self.insecure_dev_only else s.host  # dev mode: loopback only, no TLS, no identity
         self.port = self._bind(f"{host}:{port}", None if self.insecure_dev_only else self.credentials.credentials,
                                port_file if picked_before else None)
+        # /metrics after the silos' port is bound: a metrics port the system picks (metrics.port 0) can then never
+        # be the port this hub was just told to listen on (silo-sim picks that one ahead of the hub's start; CI once
+        # saw the system hand the same free port to /metrics first).
+        if self.metrics is not None and self.metrics.server is None:  # after the certificates are known good
+            m = self.config.metrics
+            metrics_port = self.metrics.serve(m.host, m.port)
+            (Path(self.config.run.state_dir) / "metrics_port").write_text(str(metrics_port))
         self.server.start()
         port_file.write_text(str(self.port))
         if self.insecure_dev_only:
