@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import yaml
 
 from silo_sim.federation import Launched, launch, read_history, run_federation, terminate
+from silo_sim.launcher import Launcher
 from silo_sim.report import console, server_only_baseline, summary_table
 from silo_sim.staged import DATA_HELP, STAGING_EVENT, StagedFederation
 
@@ -248,12 +248,12 @@ def check_secure_aggregation_fits(config: dict[str, Any], silos: int) -> None:
 
 
 class Staging:
-    """The staging process (silo_sim/prepare.py, `python -m silo_sim.prepare` with this command's options): what it
-    says to the user is passed on as it comes, its events (STAGING_EVENT lines) are handed to the caller."""
+    """The staging process (silo_sim/prepare.py, `python -m silo_sim.prepare` with this command's options), forked
+    from the launcher: what it says to the user is passed on as it comes, its events (STAGING_EVENT lines) are
+    handed to the caller."""
 
-    def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "silo_sim.prepare", *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    def __init__(self, launcher: Launcher, argv: list[str]):
+        self.proc = launcher.start_piped("silo_sim.prepare", argv, "silokit-staging")
         self.errors = threading.Thread(target=self._pass_errors_on, daemon=True)
         self.errors.start()
 
@@ -294,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         check_engine_args(args)
         if not args.export_demo:
             workdir = args.workdir or Path(tempfile.mkdtemp(prefix="silo-sim-"))
-        staging = Staging(argv + ([] if args.export_demo else ["--workdir", str(workdir)]))
+        launcher = Launcher()  # imports torch and silokit once, for the staging process, the hub and the hosts
+        staging = Staging(launcher, argv + ([] if args.export_demo else ["--workdir", str(workdir)]))
         done = None
         for event in staging.events():
             if event["kind"] == "hub_staged":
                 args.needs_silos = event["needs_silos"]
-                launched.append(launch(StagedFederation.from_json(event["staged"]), args))
+                launched.append(launch(StagedFederation.from_json(event["staged"]), args, launcher))
             elif event["kind"] == "staged":
                 done = event
                 break  # the staging process is done; round 1 need not wait for it to exit

@@ -18,10 +18,11 @@ import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
+from silo_sim.launcher import Forked, Launcher
 from silo_sim.report import console
 
 
-def terminate(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def terminate(procs: list[subprocess.Popen | Forked], grace: float = 10.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -61,13 +62,13 @@ class Launched:
     their imports and the hub's loading run while the silos' files are still being linked, and each worker waits
     for its spec file before it sets its silos up."""
 
-    hub: subprocess.Popen
+    hub: subprocess.Popen | Forked
     port: int
-    workers: list[subprocess.Popen]
+    workers: list[subprocess.Popen | Forked]
     started: float
 
     @property
-    def procs(self) -> list[subprocess.Popen]:
+    def procs(self) -> list[subprocess.Popen | Forked]:
         return [self.hub, *self.workers]
 
 
@@ -78,25 +79,29 @@ def host_count(args: argparse.Namespace, silos: int) -> int:
     return max(1, min(args.workers or os.cpu_count() or 2, silos))
 
 
-def launch(staged, args) -> Launched:
-    """Start the hub, and with the default engine the worker processes (each waits for its worker-N.json)."""
+def launch(staged, args, launcher: Launcher | None = None) -> Launched:
+    """Start the hub, and with the default engine the worker processes (each waits for its worker-N.json): forked
+    from `launcher` (imports done once), or without one as fresh interpreters (`python -m ...`)."""
     logs = staged.root / "logs"
     logs.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.time()
     port = hub_port(staged)
-    hub = subprocess.Popen([sys.executable, "-m", "silo_server.cli", "--config", str(staged.hub_config),
-                            "--port", str(port)],
-                           stdout=open(logs / "hub.log", "w"), stderr=subprocess.STDOUT, env=env)
+
+    def start(module: str, argv: list[str], name: str, log: Path):
+        if launcher is not None:
+            return launcher.start(module, argv, name, log)
+        return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    hub = start("silo_server.cli", ["--config", str(staged.hub_config), "--port", str(port)], "silokit-hub",
+                logs / "hub.log")
     workers = []
     if getattr(args, "engine", "workers") != "ray":
         for w in range(host_count(args, args.silos)):
             spec_path = staged.root / f"worker-{w}.json"
             spec_path.unlink(missing_ok=True)
-            workers.append(subprocess.Popen([sys.executable, "-m", "silo_sim.worker", "--spec", str(spec_path),
-                                             "--wait-for-spec"],
-                                            stdout=open(logs / f"worker-{w}.log", "w"), stderr=subprocess.STDOUT,
-                                            env=env))
+            workers.append(start("silo_sim.worker", ["--spec", str(spec_path), "--wait-for-spec"],
+                                 f"silokit-host{w}", logs / f"worker-{w}.log"))
     return Launched(hub, port, workers, started)
 
 
@@ -202,7 +207,7 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
             ray_hosts.close()
 
 
-def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen], logs: Path,
+def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen | Forked], logs: Path,
                             timeout: float = 120.0, check=None) -> dict[str, Any]:
     """The /metrics port of the hub and the HOST:PORT of every silo host's, once each has written it. `check`
     raises when a silo host that is not one of `procs` (a Ray actor) failed."""

@@ -41,7 +41,9 @@ def memory_kb(pid: int) -> tuple[int, int]:
 
 
 def processes() -> dict[int, tuple[int, str]]:
-    """Every live process: pid -> (parent pid, command line)."""
+    """Every live process: pid -> (parent pid, command line followed by " [name]"). The name tells silo-sim's
+    processes apart: forked from its launcher, they all have the fork server's command line (silo_sim/launcher.py
+    names them silokit-hub, silokit-hostN, silokit-staging)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -51,7 +53,8 @@ def processes() -> dict[int, tuple[int, str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), f"{cmdline} [{name}]")
     return found
 
 
@@ -67,9 +70,10 @@ def groups(engine: str, sim_pid: int, work: Path) -> dict[str, set[int]]:
     """The pids of the hub, the silo hosts and (Ray) Ray's own processes of the sim run now."""
     table = processes()
     tree = descendants({sim_pid}, table)
-    hub = {p for p in tree if "silo_server.cli" in table[p][1]}
+    hub = {p for p in tree if "silo_server.cli" in table[p][1] or "[silokit-hub]" in table[p][1]}
     if engine == "workers":
-        return {"hub": hub, "silo_hosts": {p for p in tree if "silo_sim.worker" in table[p][1]}, "ray": set()}
+        return {"hub": hub, "silo_hosts": {p for p in tree if "silo_sim.worker" in table[p][1]
+                                           or "[silokit-host" in table[p][1]}, "ray": set()}
     try:
         hosts = json.loads((work / "logs" / "ray-actors.json").read_text())
     except (OSError, ValueError):
