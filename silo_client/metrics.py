@@ -97,14 +97,18 @@ class SiloMetrics:
         for gauge in (families.above_threshold, families.pseudo_label_ratio, families.pseudo_label_accuracy,
                       families.local_loss):
             gauge.labels(silo).set(NAN)  # unknown until the first round, not zero
-        families.last_contact.labels(silo).set(0)
+        # Children used on every call or phase change, looked up once: labels() takes the family's lock, which a
+        # host's hundreds of silos would otherwise queue on at start-up.
+        self._last_contact = families.last_contact.labels(silo)
+        self._last_contact.set(0)
+        self._phases = {name: families.phase.labels(silo, name) for name in PHASES}
         for guarantee in ("client_dp", "sample_dp", "image", "lifetime"):
             families.epsilon.labels(silo, guarantee).set(NAN)  # no round charged yet
         if certs is not None:
             families.certificates.files[silo] = Path(certs) / "cert.pem"
 
     def contact(self) -> None:
-        self.f.last_contact.labels(self.silo).set(time.time())
+        self._last_contact.set(time.time())
 
     def joined(self, device: str, samples: int, unreadable: int) -> None:
         self.contact()
@@ -159,8 +163,8 @@ class SiloMetrics:
 
     def phase(self, phase: str) -> None:
         """The connection's phase now (silo_client/connection.py): 1 for it, 0 for the others."""
-        for name in PHASES:
-            self.f.phase.labels(self.silo, name).set(1.0 if name == phase else 0.0)
+        for name, child in self._phases.items():
+            child.set(1.0 if name == phase else 0.0)
 
     def departed(self, kind: str) -> None:
         self.f.departures.labels(self.silo, kind).inc()

@@ -190,6 +190,11 @@ class SiloRegistry:
         now = dt.datetime.now(dt.UTC)
         return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
 
+    def days_left(self, name: str) -> float | None:
+        """Days until one certificate expires (None: not known); a join asks for its own, not for every silo's."""
+        not_after = self.cert_not_after.get(name)
+        return None if not_after is None else (not_after - dt.datetime.now(dt.UTC)).total_seconds() / 86400.0
+
     def touch(self, silo_id: str) -> SiloRecord:
         record = self.silos.get(silo_id)
         if record is None:
@@ -270,7 +275,7 @@ class SiloRegistry:
             log.info("silo %s connected and is loading its images (%d unlabeled, %d labeled files); it is sampled "
                      "once it reports ready", silo_id, num_unlabeled, num_labeled)
             return
-        days = self.cert_days_left.get(silo_id)
+        days = self.days_left(silo_id)
         log.info("silo %s joined (%d unlabeled, %d labeled images, device %s%s)", silo_id, num_unlabeled,
                  num_labeled, device, "" if days is None else f", certificate expires in {days:.0f} days")
         if days is not None and days < CERT_WARN_DAYS:
