@@ -272,8 +272,12 @@ def stage_federation(
     # The silos' certificates are issued (one pass over the CA's inventory) while their images are linked or
     # written: the one is mostly cryptography, the other file-system calls.
     names = [silo_name(i) for i in range(1, len(parts) + 1)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread:
+    # The links are made on two threads: os.link waits in the kernel without the GIL, one silo's folder apart from
+    # another's, and the hub is the only other process busy at this time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stage-links") as linkers:
         issued = certs_thread.submit(issue_silos, ca_dir, [(name, root / "pki" / "silos" / name) for name in names])
+        written = []
         for i, idx in enumerate(parts, start=1):
             name = silo_name(i)
             base = root / "silos" / name
@@ -284,10 +288,12 @@ def stage_federation(
                 labeled, labeled_dir = shard.subset(picked), base / "labeled"
                 shard = shard.subset(np.setdiff1d(np.arange(len(shard)), picked))
             data_dir = base / "images" if len(shard) else None
-            _write_silo_files(base, shard, data_dir, labeled, labeled_dir)
+            written.append(linkers.submit(_write_silo_files, base, shard, data_dir, labeled, labeled_dir))
             staged.silos.append(SiloSpec(name, root / "pki" / "silos" / name, data_dir, base / "state",
                                          base / "labels.json", len(shard), labeled_dir,
                                          len(labeled) if labeled is not None else 0))
+        for done in written:
+            done.result()  # raises what writing one silo's files raised
         issued.result()
 
     return staged
