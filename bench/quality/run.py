@@ -145,10 +145,10 @@ PROFILES = {
 PROFILE_NOTES: dict[str, str] = {
     "medium": "**This profile ranks on IID, not on 2 classes per silo** (measured against the full profile on "
               "today's code, bench/README.md): on IID its order is the full profile's (supervised > SemiFL > "
-              "FedSEAL > HASSLE > server-only > FedAvg+FixMatch) but each lift is about half the full profile's "
-              "(SemiFL +1.7 against +3.1); with 2 classes per silo the supervised ceiling and FedSEAL end below "
-              "server-only, as in the full profile before its last rounds. Read it as a direction on IID, and "
-              "run `full` for numbers.",
+              "FedSEAL > HASSLE > server-only > FedAvg+FixMatch), FedSEAL's and HASSLE's lifts are within a "
+              "point of the full profile's, SemiFL's about half of it (+1.7 against +3.0 over three seeds); with 2 "
+              "classes per silo the supervised ceiling and FedSEAL end below server-only, as in the full profile "
+              "before its last rounds. Read it as a direction on IID, and run `full` for numbers.",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
