@@ -70,6 +70,7 @@ def groups(engine: str, sim_pid: int, work: Path) -> dict[str, set[int]]:
     """The pids of the hub, the silo hosts and (Ray) Ray's own processes of the sim run now."""
     table = processes()
     tree = descendants({sim_pid}, table)
+    tree = {p for p in tree if "multiprocessing.forkserver" not in table[p][1]}  # it names modules it preloads
     hub = {p for p in tree if "silo_server.cli" in table[p][1] or "[silokit-hub]" in table[p][1]}
     if engine == "workers":
         return {"hub": hub, "silo_hosts": {p for p in tree if "silo_sim.worker" in table[p][1]

@@ -129,9 +129,10 @@ def summarise(rows: list[dict[str, float]]) -> dict[str, float]:
 # engine's memory shows where it is. First match wins.
 ROLES = (
     ("[silokit-hub]", "hub"), ("[silokit-host", "silo host"), ("[silokit-staging]", "silo-sim staging"),
+    # before the module names: the fork server's command line lists the modules it preloads
+    ("multiprocessing.forkserver", "fork server (silo-sim's launcher, or a data loader's)"),
     ("silo_server.cli", "hub"), ("silo_sim.worker", "silo host"), ("silo_sim.prepare", "silo-sim staging"),
-    ("silo_sim.cli", "silo-sim"),
-    ("forkserver", "fork server (silo-sim's launcher, or a data loader's)"), ("--flower-half", "Flower driver (ServerApp, strategy)"),
+    ("silo_sim.cli", "silo-sim"), ("--flower-half", "Flower driver (ServerApp, strategy)"),
     ("ray::", "Ray worker (ClientApp)"), ("raylet", "Ray services"), ("gcs_server", "Ray services"),
     ("dashboard", "Ray services"), ("log_monitor", "Ray services"), ("runtime_env", "Ray services"),
     ("monitor.py", "Ray services"), ("ray/", "Ray services"),
