@@ -1,6 +1,8 @@
 """The hub's parts, each without the Hub facade: the silo registry, the run records, the round loop and the privacy
 layer's round completion (which gets what it uses of the hub passed in)."""
 
+import datetime as dt
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -125,3 +127,19 @@ def test_hub_settings_take_every_round_wire_and_liveness_key_from_hub_yaml():
                    half_precision=True),
         liveness_s=30.0,
     )
+
+
+def test_a_join_logs_the_joining_silos_own_certificate_days_and_warns_when_it_is_near_expiry(caplog):
+    registry = SiloRegistry(ChangeCondition())
+    now = dt.datetime.now(dt.UTC)
+    registry.cert_not_after.update({"fresh": now + dt.timedelta(days=80), "old": now + dt.timedelta(days=5)})
+    assert registry.days_left("nobody") is None and 79.9 < registry.days_left("fresh") <= 80
+    with caplog.at_level(logging.INFO, logger="silo_server"):
+        registry.join("fresh", 10, 0, "cpu")
+        registry.join("old", 10, 0, "cpu")
+        registry.join("unknown", 10, 0, "cpu")  # no certificate seen (dev mode): no days, no warning
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("silo fresh joined" in line and "certificate expires in 80 days" in line for line in lines)
+    assert any("silo unknown joined (10 unlabeled, 0 labeled images, device cpu)" == line for line in lines)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "silo old expires in 5.0 days" in warnings[0] and "silo-certs renew old" in warnings[0]
