@@ -35,6 +35,7 @@ from security.terms import (
 from security.terms import as_dict as terms_dict
 from security.tls import insecure_dev_channel, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.budget import TaskBudget
 from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
 from silo_client.errors import SiloError, SiloLeft
 from silo_client.hub_link import (
@@ -47,7 +48,7 @@ from silo_client.hub_link import (
 )
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
-from silo_client.outbox import Outbox, PolicyStop, epsilon_fields, metrics_allowed
+from silo_client.outbox import Outbox, PolicyStop, metrics_allowed
 from silo_client.policy import BranchPolicy, Refusal, allowed_factories, check_run, required_noise_std
 from silo_client.privacy import SessionFloor, SiloPrivacy
 from silo_client.run_checks import (
@@ -473,64 +474,23 @@ class SiloClient:
         self.log.info("round %d: not sampled; received the model and used it in %.1fs, nothing sent", task.round,
                       time.time() - started)
 
-    def _sample_dp_budget(self, task: silo_pb2.Task) -> float | None:
-        """The DP-SGD epsilon this run may reach at this silo: the hub's budget, the policy's ceiling per run, and
-        what the policy's lifetime budget leaves after earlier runs (when client-level DP does not already bound
-        every image this round). None: no limit."""
-        sd, run_id = task.privacy.sample_dp, self.run.run_id
-        limits = [sd.epsilon_budget] if sd.epsilon_budget else []
-        p = self.policy
-        if p is not None and p.sample_dp.max_epsilon_per_run is not None:
-            limits.append(p.sample_dp.max_epsilon_per_run)
-        if p is not None and p.lifetime_epsilon is not None and not self._client_covers_lifetime(task):
-            limits.append(p.lifetime_epsilon - self.ledger.lifetime_epsilon(exclude_run=run_id))
-        return min(limits) if limits else None
-
-    def _client_epsilon_after(self, task: silo_pb2.Task) -> float | None:
-        """This silo's client-level epsilon after this round by its own accounting (None: no guarantee of that
-        kind against the hub in this run)."""
-        dp = self.pinned.client_dp if self.pinned is not None else None
-        if dp is None or not guards_against_hub(dp) or not task.privacy.client_dp.enabled:
-            return None
-        return self.ledger.client_epsilon_after(self.run.run_id, dp.noise_multiplier)
-
-    def _client_covers_lifetime(self, task: silo_pb2.Task) -> bool:
-        after = self._client_epsilon_after(task)
-        p = self.policy
-        return (after is not None and p is not None and p.lifetime_epsilon is not None
-                and self.ledger.lifetime_epsilon(exclude_run=self.run.run_id) + after <= p.lifetime_epsilon)
-
-    def _check_budget(self, task: silo_pb2.Task) -> None:
-        """Before training: a round that would take this silo past its policy's client-level ceiling per run, or
-        past its lifetime budget with nothing else to bound it, is refused, and the silo leaves the run."""
-        p = self.policy
-        after = self._client_epsilon_after(task)
-        if p is None or after is None:
-            return
-        ceiling = p.client_dp.max_epsilon_per_run
-        if ceiling is not None and after > ceiling:
-            self._leave(Refusal("budget", "client_dp.max_epsilon_per_run", f"{ceiling:g}", f"{after:.4g}",
-                                f"round {task.round} would take this silo's client-level epsilon in the run to "
-                                f"{after:.4g}, past the policy's ceiling of {ceiling:g}", task.round))
-        spent = self.ledger.lifetime_epsilon(exclude_run=self.run.run_id)
-        if (p.lifetime_epsilon is not None and spent + after > p.lifetime_epsilon
-                and not task.privacy.sample_dp.enabled):
-            self._leave(Refusal("budget", "lifetime_epsilon", f"{p.lifetime_epsilon:g}", f"{spent + after:.4g}",
-                                f"round {task.round} would take this branch's lifetime epsilon to {spent + after:.4g}, "
-                                f"past the policy's budget of {p.lifetime_epsilon:g}", task.round))
+    def _budget(self, task: silo_pb2.Task) -> TaskBudget:
+        return TaskBudget(self.policy, self.ledger, self.pinned, self.run.run_id, task)
 
     def _train(self, task: silo_pb2.Task) -> None:
         self._load_if_deferred()
         self._check_task(task)
-        self._check_budget(task)
+        budget = self._budget(task)
+        refusal = budget.refusal_before_training()
+        if refusal is not None:
+            self._leave(refusal)
         plan = self._plan(task)
         private = task.HasField("privacy")
         sd = task.privacy.sample_dp
         if sd.enabled:  # DP-SGD as the pinned terms say, within this branch's own budgets
-            budget = self._sample_dp_budget(task)
             # At the ledger's delta (the policy's), so the DP-SGD figure and the ledger's agree.
             plan.hyperparameters["sample_dp"] = {"noise_multiplier": sd.noise_multiplier, "clip_norm": sd.clip_norm,
-                                                 "delta": self.ledger.delta, "epsilon_budget": budget}
+                                                 "delta": self.ledger.delta, "epsilon_budget": budget.sample_dp_limit()}
         expected = plan.expected
         started = time.time()
         result = self.algorithm.local_update(plan, self.data)
@@ -543,7 +503,7 @@ class SiloClient:
                        for k, v in result.tensors.items()}
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
         secagg = bool(task.privacy.secagg_session)
-        epsilon = self._charge(task, metrics) if (secagg or not result.skipped) else None
+        epsilon = budget.charge(metrics, self.metrics) if (secagg or not result.skipped) else None
         if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves
             policy = self.policy
             floor = SessionFloor(
@@ -573,19 +533,6 @@ class SiloClient:
                                 f"{metrics.get('sample_dp_epsilon', 0.0):.4g}",
                                 f"round {task.round}: one more round of DP-SGD would pass this silo's epsilon budget "
                                 "for the run", task.round))
-
-    def _charge(self, task: silo_pb2.Task, metrics: dict[str, float]) -> dict | None:
-        """The ledger's entry for this round, written before anything derived from it leaves: one client-level
-        step when the round's noise guards against the hub, the DP-SGD total the algorithm reports. Returns the
-        figures the audit records with every message of the round."""
-        dp = self.pinned.client_dp
-        charged = dp.noise_multiplier if (guards_against_hub(dp) and task.privacy.client_dp.enabled) else None
-        sample = metrics.get("sample_dp_epsilon") if task.privacy.sample_dp.enabled else None
-        figures = self.ledger.record_round(self.run.run_id, task.round, client_dp_noise=charged,
-                                           sample_epsilon=sample, task=task.task_id)
-        lifetime = self.ledger.lifetime_epsilon()
-        self.metrics.epsilon(figures.client, figures.sample, figures.image, lifetime)
-        return epsilon_fields(figures, lifetime)
 
     # ------------------------------------------------------------------ the loop
     def run_forever(self) -> int:

@@ -1,0 +1,81 @@
+"""A silo's privacy budget for one task, by its own ledger and its branch policy, never the hub's figures: how far
+DP-SGD may go in this run, whether a round would pass a ceiling (checked before training), and the ledger's entry
+for a round (charged before anything derived from it leaves).
+
+The client-level figure counts only noise that guards against the hub (distributed noise the silos add
+themselves); the lifetime budget sums the runs' image epsilons across runs and hubs (silo_client/ledger.py)."""
+
+from __future__ import annotations
+
+from silo.v1 import silo_pb2
+from silo_client.ledger import BranchLedger
+from silo_client.metrics import SiloMetrics
+from silo_client.outbox import epsilon_fields
+from silo_client.policy import BranchPolicy, Refusal
+from silo_client.run_checks import guards_against_hub
+
+
+class TaskBudget:
+    """One task's budget questions, for a run whose terms were pinned (`pinned`) with id `run_id`."""
+
+    def __init__(self, policy: BranchPolicy | None, ledger: BranchLedger, pinned: silo_pb2.PrivacyTerms | None,
+                 run_id: str, task: silo_pb2.Task):
+        self.policy, self.ledger, self.pinned, self.run_id, self.task = policy, ledger, pinned, run_id, task
+
+    def client_epsilon_after(self) -> float | None:
+        """This silo's client-level epsilon after this round by its own accounting (None: no guarantee of that
+        kind against the hub in this run)."""
+        dp = self.pinned.client_dp if self.pinned is not None else None
+        if dp is None or not guards_against_hub(dp) or not self.task.privacy.client_dp.enabled:
+            return None
+        return self.ledger.client_epsilon_after(self.run_id, dp.noise_multiplier)
+
+    def _client_covers_lifetime(self) -> bool:
+        after, p = self.client_epsilon_after(), self.policy
+        return (after is not None and p is not None and p.lifetime_epsilon is not None
+                and self.ledger.lifetime_epsilon(exclude_run=self.run_id) + after <= p.lifetime_epsilon)
+
+    def sample_dp_limit(self) -> float | None:
+        """The DP-SGD epsilon this run may reach at this silo: the hub's budget, the policy's ceiling per run, and
+        what the policy's lifetime budget leaves after earlier runs (when client-level DP does not already bound
+        every image this round). None: no limit."""
+        sd, p = self.task.privacy.sample_dp, self.policy
+        limits = [sd.epsilon_budget] if sd.epsilon_budget else []
+        if p is not None and p.sample_dp.max_epsilon_per_run is not None:
+            limits.append(p.sample_dp.max_epsilon_per_run)
+        if p is not None and p.lifetime_epsilon is not None and not self._client_covers_lifetime():
+            limits.append(p.lifetime_epsilon - self.ledger.lifetime_epsilon(exclude_run=self.run_id))
+        return min(limits) if limits else None
+
+    def refusal_before_training(self) -> Refusal | None:
+        """A round that would take this silo past its policy's client-level ceiling per run, or past its lifetime
+        budget with nothing else to bound it, is refused before training (the silo then leaves the run)."""
+        p, after, round_ = self.policy, self.client_epsilon_after(), self.task.round
+        if p is None or after is None:
+            return None
+        ceiling = p.client_dp.max_epsilon_per_run
+        if ceiling is not None and after > ceiling:
+            return Refusal("budget", "client_dp.max_epsilon_per_run", f"{ceiling:g}", f"{after:.4g}",
+                           f"round {round_} would take this silo's client-level epsilon in the run to {after:.4g}, "
+                           f"past the policy's ceiling of {ceiling:g}", round_)
+        spent = self.ledger.lifetime_epsilon(exclude_run=self.run_id)
+        # With DP-SGD on, DP-SGD's own limit (sample_dp_limit) keeps the lifetime budget instead.
+        if (p.lifetime_epsilon is not None and spent + after > p.lifetime_epsilon
+                and not self.task.privacy.sample_dp.enabled):
+            return Refusal("budget", "lifetime_epsilon", f"{p.lifetime_epsilon:g}", f"{spent + after:.4g}",
+                           f"round {round_} would take this branch's lifetime epsilon to {spent + after:.4g}, "
+                           f"past the policy's budget of {p.lifetime_epsilon:g}", round_)
+        return None
+
+    def charge(self, metrics: dict[str, float], silo_metrics: SiloMetrics) -> dict:
+        """The ledger's entry for this round, written before anything derived from it leaves: one client-level
+        step when the round's noise guards against the hub, the DP-SGD total the algorithm reports. Returns the
+        figures the audit records with every message of the round."""
+        dp, privacy = self.pinned.client_dp, self.task.privacy
+        charged = dp.noise_multiplier if (guards_against_hub(dp) and privacy.client_dp.enabled) else None
+        sample = metrics.get("sample_dp_epsilon") if privacy.sample_dp.enabled else None
+        figures = self.ledger.record_round(self.run_id, self.task.round, client_dp_noise=charged,
+                                           sample_epsilon=sample, task=self.task.task_id)
+        lifetime = self.ledger.lifetime_epsilon()
+        silo_metrics.epsilon(figures.client, figures.sample, figures.image, lifetime)
+        return epsilon_fields(figures, lifetime)
