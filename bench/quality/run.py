@@ -353,8 +353,14 @@ def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
-    lines = [f"Test accuracy (%), profile `{profile_name}`, mean ± std over seeds (n = seeds).",
-             *([PROFILE_NOTES[profile_name]] if profile_name in PROFILE_NOTES else []),
+    ran = sorted({c["history"][-1]["round"] for c in cells if c.get("history")})
+    own = PROFILES[profile_name].rounds if profile_name in PROFILES else None
+    # --rounds changes what the profile can show: its note speaks of its own rounds, so it is not printed then.
+    other = own is not None and ran and ran != [own]
+    lines = [f"Test accuracy (%), profile `{profile_name}`"
+             + (f" run for {', '.join(map(str, ran))} rounds (--rounds; the profile's own: {own}; its note "
+                "does not apply, see bench/README.md)" if other else "") + ", mean ± std over seeds (n = seeds).",
+             *([PROFILE_NOTES[profile_name]] if profile_name in PROFILE_NOTES and not other else []),
              f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
              + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
              f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.",
