@@ -187,8 +187,7 @@ class SiloRegistry:
     @property
     def cert_days_left(self) -> dict[str, float]:
         """Days until each known certificate expires: "hub" for the hub's own, silo ids for the silos'."""
-        now = dt.datetime.now(dt.UTC)
-        return {name: (t - now).total_seconds() / 86400.0 for name, t in list(self.cert_not_after.items())}
+        return {name: days for name in list(self.cert_not_after) if (days := self.days_left(name)) is not None}
 
     def days_left(self, name: str) -> float | None:
         """Days until one certificate expires (None: not known); a join asks for its own, not for every silo's."""
