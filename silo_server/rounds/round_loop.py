@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import random
-import resource
 import statistics
 import threading
 import time
@@ -24,6 +23,7 @@ from silo_core.rounds import AggregationRound, RoundRecord, Sampling
 from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.rounds.aggregate import RunningSum
 from silo_server.rounds.breaker import BreakerHunt, Quarantine, now_iso
+from silo_server.rounds.memory import RssMeter
 from silo_server.rounds.privacy import (
     BudgetExhausted,
     HubPrivacy,
@@ -89,42 +89,6 @@ class ActiveTask:
     # privacy (silo.v1.TaskPrivacy.sample_dp), which a silo checks against the run's terms; the in-process transport
     # adds them to the plan as they are.
     round_hyperparameters: dict[str, Any] = field(default_factory=dict)
-
-
-class RssMeter:
-    """The hub's resident memory and peak, with the kernel's peak counter restarted at each round's opening so
-    that the collection phase is measured on its own (Linux /proc; elsewhere every reading is None)."""
-
-    def __init__(self) -> None:
-        self._earlier_peak = 0  # the process peak from before the latest restart
-
-    @staticmethod
-    def _status(field_name: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(field_name + ":"):
-                        return int(line.split()[1]) * 1024  # kB
-        except OSError:
-            return None
-        return None
-
-    def peak(self) -> int | None:
-        return self._status("VmHWM")
-
-    def restart(self) -> int | None:
-        """Remember the peak so far, restart the kernel's peak at the current RSS and return that RSS."""
-        self._earlier_peak = max(self._earlier_peak, self.peak() or 0)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # 5: reset the peak resident set size to the current one
-        except OSError:
-            return None
-        return self._status("VmRSS")
-
-    def process_peak(self) -> int:
-        usage_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        return max(self._earlier_peak, self.peak() or 0, usage_peak)
 
 
 class Transport(Protocol):
