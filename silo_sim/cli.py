@@ -133,7 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", type=Path, help="write summary.json (every round's metrics, baseline, settings) here")
-    p.add_argument("--workdir", type=Path, help="stage everything here and keep it (default: a temp dir, removed)")
+    p.add_argument("--workdir", type=Path,
+                   help="the run's hub.yaml, state and logs, kept (default: a temp dir, removed); the silos' images "
+                        "and the certificates come from a federation staged by an earlier run with the same data "
+                        "and options when there is one (kept under the cache, see --restage)")
+    p.add_argument("--restage", action="store_true",
+                   help="stage every image folder and certificate into --workdir afresh instead of reusing a "
+                        "federation kept by an earlier run (the demo and torchvision data sets are kept; a folder "
+                        "of your own images is always staged afresh)")
     p.add_argument("--export-demo", type=Path, metavar="DIR",
                    help="only stage the demo federation (images, certificates, hub.yaml) in DIR and print how to run it")
     p.add_argument("--no-baseline", action="store_true", help="skip the server-only baseline")

@@ -38,6 +38,7 @@ from silo_server.rounds.round_loop import ActiveTask, RoundLoop
 from silo_server.settings import RoundSettings
 from silo_server.state.registry import ChangeCondition, SiloRegistry
 from silo_server.state.scoring import RunRecords
+from silo_sim.staged import StagedFederation
 
 
 class InProcessSilos:
@@ -191,17 +192,18 @@ def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed:
             device: torch.device) -> list[RoundRecord]:
     entry = get_algorithm(method)
     opts = entry.options.model_validate(options)
-    staged = load_config(work / "hub.yaml").model  # the geometry the images were staged and the hub ran with
+    config = load_config(work / "hub.yaml")  # the folders the hub read (in `work`, or in a kept federation)
+    staged = config.model  # the geometry the images were staged and the hub ran with
     size, channels = staged.image_size, staged.in_channels
-    labeled = load_labeled_folder(work / "hub" / "labeled", size, channels)
-    test = load_labeled_folder(work / "hub" / "test", size, channels)
-    validation = (load_labeled_folder(work / "hub" / "validation", size, channels)
-                  if (work / "hub" / "validation").is_dir() else None)
+    labeled = load_labeled_folder(config.data.labeled.path, size, channels)
+    test = load_labeled_folder(config.data.test.path, size, channels)
+    validation = (load_labeled_folder(config.data.validation.path, size, channels)
+                  if config.data.validation is not None else None)
     silos = []
-    for folder in sorted((work / "silos").iterdir()):
-        images = load_unlabeled_folder(folder / "images", size, channels).images
-        true_labels = torch.tensor(json.loads((folder / "labels.json").read_text()), dtype=torch.int64)
-        silos.append(SiloData(images=images, true_labels=true_labels, silo_id=folder.name))
+    for silo in sorted(StagedFederation.read(work).silos, key=lambda s: s.name):  # by name, as the folders were read before
+        images = load_unlabeled_folder(silo.data, size, channels).images
+        true_labels = torch.tensor(json.loads(silo.labels.read_text()), dtype=torch.int64)
+        silos.append(SiloData(images=images, true_labels=true_labels, silo_id=silo.name))
     spec = ModelSpec.from_config(staged, len(labeled.classes))  # as the hub made it
     if model is not None and model != spec.name:
         spec = replace(spec, name=model, factory=None, options={})

@@ -114,17 +114,32 @@ def export_demo(args, plan: Plan) -> None:
 
 def stage(args, plan: Plan) -> None:
     from silo_sim.stage import stage_federation
+    from silo_sim.staging_cache import evict, federation_key, kept_federation
 
-    console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
-                  f"in {args.workdir} from {plan.source_description} ...")
+    def hub_staged(hub_part) -> None:
+        tell("hub_staged", staged=hub_part.to_json(), needs_silos=plan.needs_silos)
+
     t0 = time.time()
-    staged = stage_federation(args.workdir, **plan.stage_options,
-                              hub_staged=lambda hub_part: tell("hub_staged", staged=hub_part.to_json(),
-                                                               needs_silos=plan.needs_silos))
-    console.print(f"staged in {time.time() - t0:.1f}s; the hub started meanwhile; {args.silos} silos join over "
-                  f"mutual TLS")
+    key = None if args.restage else federation_key(plan.stage_options["source"], plan.stage_options)
+    if key is None:
+        console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
+                      f"in {args.workdir} from {plan.source_description} ...")
+        staged = stage_federation(args.workdir, **plan.stage_options, hub_staged=hub_staged)
+        reused = False
+    else:
+        with kept_federation(key) as (files, reused):
+            console.print(f"{'reusing' if reused else 'staging'} {args.silos} silos, {args.labels_per_class} hub "
+                          f"labels per class and certificates from {plan.source_description} "
+                          f"{'staged by an earlier run in' if reused else 'in'} {files} (--restage: afresh in "
+                          f"--workdir); state and logs in {args.workdir} ...")
+            staged = stage_federation(args.workdir, **plan.stage_options, hub_staged=hub_staged, files=files,
+                                      reuse=reused)
+    console.print(f"{'ready' if reused else 'staged'} in {time.time() - t0:.1f}s; the hub started meanwhile; "
+                  f"{args.silos} silos join over mutual TLS")
     tell("staged", staged=staged.to_json(), options=plan.options, policies=plan.policies,
          needs_silos=plan.needs_silos)
+    if key is not None and not reused:
+        evict()  # after the run has what it needs: removing an old federation's links takes a second
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,9 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     # The staged hub.yaml's model, built as the hub builds it (the staged data's size, channels, normalisation).
     config = load_config(staged.hub_config)
     size, channels = config.model.image_size, config.model.in_channels
-    labeled = load_labeled_folder(staged.root / "hub" / "labeled", size, channels)
-    test = load_labeled_folder(staged.root / "hub" / "test", size, channels)
+    # The folders hub.yaml names: under the workdir, or in a federation kept by an earlier run (staging_cache).
+    labeled = load_labeled_folder(config.data.labeled.path, size, channels)
+    test = load_labeled_folder(config.data.test.path, size, channels)
     spec = ModelSpec.from_config(config.model, len(labeled.classes))
     # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
     opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})

@@ -47,7 +47,7 @@ from silo_core.data import (
     save_png_folder,
 )
 from silo_core.partition import make_partition, split_labeled_per_class
-from silo_sim.staged import DATA_HELP, SiloSpec, StagedFederation
+from silo_sim.staged import DATA_HELP, STAGED_FILE, SiloSpec, StagedFederation
 
 
 @dataclass
@@ -196,6 +196,8 @@ def stage_federation(
     source: SimData | None = None,
     hub_host: str = "127.0.0.1",
     hub_staged: Callable[[StagedFederation], None] | None = None,
+    files: Path | None = None,
+    reuse: bool = False,
 ) -> StagedFederation:
     """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
     the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
@@ -204,9 +206,15 @@ def stage_federation(
     images per class of its pool to the test set (default 100). The hub listens on `hub_host` (loopback unless
     silos on other machines must reach it), which its certificate names beside localhost and 127.0.0.1.
     `hub_staged(staged)` is called once the hub's files and hub.yaml are written, before the silos' (staged.silos
-    still empty): silo-sim starts the hub there."""
+    still empty): silo-sim starts the hub there.
+
+    `files`: where the images and certificates go (default: root; hub.yaml, the hub's and the silos' state always
+    go under root). `reuse`: `files` already holds what these same options staged (silo_sim/staging_cache.py), so
+    nothing is written there; the returned federation is the same."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    files = Path(files) if files is not None else root
+    at = (lambda rel: rel) if files == root else (lambda rel: str(files / rel))  # hub.yaml's paths
     source = source or load_source("demo")
     train, test = source.train, source.test
     if test is None:  # held out from the pool before anything else is drawn from it
@@ -229,28 +237,30 @@ def stage_federation(
     parts = make_partition(pool.labels.numpy(), num_silos, partition, seed,
                            classes_per_silo=classes_per_silo, alpha=alpha)
 
-    ca_dir = root / "pki" / "ca"
-    init_ca(ca_dir)
-    dns, ips = ["localhost"], ["127.0.0.1"]
-    try:
-        ipaddress.ip_address(hub_host)
-        ips += [hub_host] if hub_host not in ips else []
-    except ValueError:
-        dns += [hub_host] if hub_host not in dns else []
-    issue_hub(ca_dir, root / "pki" / "hub", dns=dns, ips=ips)
-    write_images(hub_labeled, root / "hub" / "labeled", labeled=True)
-    write_images(test, root / "hub" / "test", labeled=True)
-    if validation is not None:
-        write_images(validation, root / "hub" / "validation", labeled=True)
+    ca_dir = files / "pki" / "ca"
+    if not reuse:
+        init_ca(ca_dir)
+        dns, ips = ["localhost"], ["127.0.0.1"]
+        try:
+            ipaddress.ip_address(hub_host)
+            ips += [hub_host] if hub_host not in ips else []
+        except ValueError:
+            dns += [hub_host] if hub_host not in dns else []
+        issue_hub(ca_dir, files / "pki" / "hub", dns=dns, ips=ips)
+        write_images(hub_labeled, files / "hub" / "labeled", labeled=True)
+        write_images(test, files / "hub" / "test", labeled=True)
+        if validation is not None:
+            write_images(validation, files / "hub" / "validation", labeled=True)
 
     staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
                               ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
-        "server": {"host": hub_host, "port": 0, "certs": "pki/hub", "linger_s": 10.0},
-        "data": {"labeled": {"kind": "imagefolder", "path": "hub/labeled"},
-                 "test": {"kind": "imagefolder", "path": "hub/test"},
-                 **({"validation": {"kind": "imagefolder", "path": "hub/validation"}} if validation is not None else {})},
+        "server": {"host": hub_host, "port": 0, "certs": at("pki/hub"), "linger_s": 10.0},
+        "data": {"labeled": {"kind": "imagefolder", "path": at("hub/labeled")},
+                 "test": {"kind": "imagefolder", "path": at("hub/test")},
+                 **({"validation": {"kind": "imagefolder", "path": at("hub/validation")}} if validation is not None
+                    else {})},
         "model": {"name": "small_cnn", "image_size": source.image_size, "in_channels": source.channels},
         "algorithm": {"name": "semifl", "options": {}},
         # Sampling and quorum are left to the hub's defaults (every silo, half of them), so that hub_config may set
@@ -276,11 +286,12 @@ def stage_federation(
     # another's, and the hub is the only other process busy at this time.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread, \
             concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stage-links") as linkers:
-        issued = certs_thread.submit(issue_silos, ca_dir, [(name, root / "pki" / "silos" / name) for name in names])
+        issued = None if reuse else certs_thread.submit(
+            issue_silos, ca_dir, [(name, files / "pki" / "silos" / name) for name in names])
         written = []
         for i, idx in enumerate(parts, start=1):
             name = silo_name(i)
-            base = root / "silos" / name
+            base = files / "silos" / name
             shard = pool.subset(np.sort(idx))
             labeled, labeled_dir = None, None
             if i <= labeled_silos and silo_labels_per_class > 0:
@@ -288,14 +299,16 @@ def stage_federation(
                 labeled, labeled_dir = shard.subset(picked), base / "labeled"
                 shard = shard.subset(np.setdiff1d(np.arange(len(shard)), picked))
             data_dir = base / "images" if len(shard) else None
-            written.append(linkers.submit(_write_silo_files, base, shard, data_dir, labeled, labeled_dir))
-            staged.silos.append(SiloSpec(name, root / "pki" / "silos" / name, data_dir, base / "state",
-                                         base / "labels.json", len(shard), labeled_dir,
-                                         len(labeled) if labeled is not None else 0))
+            if not reuse:
+                written.append(linkers.submit(_write_silo_files, base, shard, data_dir, labeled, labeled_dir))
+            staged.silos.append(SiloSpec(name, files / "pki" / "silos" / name, data_dir,
+                                         root / "silos" / name / "state", base / "labels.json", len(shard),
+                                         labeled_dir, len(labeled) if labeled is not None else 0))
         for done in written:
             done.result()  # raises what writing one silo's files raised
-        issued.result()
-
+        if issued is not None:
+            issued.result()
+    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
     return staged
 
 

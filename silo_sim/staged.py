@@ -4,6 +4,7 @@ staging needs."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,10 @@ DATA_HELP = ("demo (the bundled 6,000 Fashion-MNIST images), fashion-mnist:ROOT,
              "the test set is the dataset's own), or the path of any folder of class sub-folders (e.g. CIFAR-10 "
              "as JPEG folders; the test set is held out from it)")
 
+
+# Written under a staged federation's root: where its hub's and silos' files are (they may be in a federation kept
+# by an earlier run, silo_sim/staging_cache.py), for whatever reads the federation afterwards.
+STAGED_FILE = "staged.json"
 
 # A line the staging process (silo_sim/prepare.py) writes to tell silo-sim something, followed by JSON.
 STAGING_EVENT = "silo-sim-staging "
@@ -60,6 +65,11 @@ class StagedFederation:
     def to_json(self) -> dict[str, Any]:
         return {"root": str(self.root), "hub_config": str(self.hub_config), "hub_state_dir": str(self.hub_state_dir),
                 "ca_dir": str(self.ca_dir), "silos": [s.to_json() for s in self.silos]}
+
+    @classmethod
+    def read(cls, root: Path) -> StagedFederation:
+        """The federation staged under `root` (its STAGED_FILE)."""
+        return cls.from_json(json.loads((Path(root) / STAGED_FILE).read_text()))
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StagedFederation:
