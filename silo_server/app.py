@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import logging
 import signal
@@ -382,6 +383,9 @@ class HubApp:
 
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_signal)
+        # What start-up built (modules, model, data, server) lives for the run: frozen, the collector's full scans
+        # skip it (they were about 7% of the hub's CPU while 1,000 silos joined, perf).
+        gc.freeze()
         try:
             state = self.hub.run()
             if self.hub.stop_event.is_set():
