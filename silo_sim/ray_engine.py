@@ -39,6 +39,7 @@ from typing import Any
 log = logging.getLogger("silo_sim.ray")
 
 INSTALL_HINT = 'the Ray engine needs Ray: pip install -e ".[ray]"'
+ACTOR_EXIT_WAIT_S = 10.0  # how long closing waits for the local Ray's actor processes to exit
 ACTORS_FILE = "ray-actors.json"  # under the sim's logs/: each actor's pid and silos, for operators (and tests)
 SILO_FILES = ("certs", "data", "labeled", "labels")  # a silo's paths in a host spec that --ship-silo-files carries
 
@@ -426,4 +427,9 @@ class RaySiloHosts:
             ray.shutdown()
             if self._temp_dir:
                 shutil.rmtree(self._temp_dir, ignore_errors=True)
+                # A killed actor's process can take a moment to exit on a busy machine: the local Ray we started
+                # leaves no process behind when the sim returns (a cluster's actors are the cluster's to reap).
+                end = time.time() + ACTOR_EXIT_WAIT_S
+                while any(s.pid and _process_alive(s.pid) for s in self.shares) and time.time() < end:
+                    time.sleep(0.1)
 
