@@ -44,15 +44,15 @@ class Plan:
     policies: dict[str, str]
     hub_config: dict[str, Any]
     stage_options: dict[str, Any]
-    source_description: str
+    data: str  # --data: loaded only when staging (a kept federation needs no image read)
+    image_size: int | None
 
 
 def check(args) -> Plan:
-    """Every option checked (the engine's already, by silo-sim), and the images read, before anything is staged or
-    started; a bad one is a ValueError (or DataError) naming it."""
+    """Every option checked (the engine's already, by silo-sim) before anything is staged or started; a bad one is a
+    ValueError naming it (bad --data: a DataError when staging reads it, still before the hub starts)."""
     from silo_core.algorithms import get_algorithm
     from silo_sim.attacks import check_attack
-    from silo_sim.stage import load_source
 
     entry = get_algorithm(args.algorithm)
     if args.silos < 1:
@@ -70,11 +70,10 @@ def check(args) -> Plan:
     for line in option_overrides(args.algorithm, given):
         console.print(line, highlight=False)
     entry.options.model_validate(options)  # a bad --option fails here, with its name
-    source = load_source(args.data, args.image_size)
     hub_config = {
         "run": {"seed": args.seed, "device": args.device, "threads": os.cpu_count() or 2},
         "algorithm": {"name": args.algorithm, "options": options},
-        "model": {"name": args.model, "image_size": source.image_size, "in_channels": source.channels},
+        "model": {"name": args.model},  # its input size and channels: the data's (stage.write_hub_yaml)
         "wire": {"half_precision": args.half_precision},
         # With a Prometheus watching, stay up long enough for it to discover and scrape a short run.
         **({"server": {"linger_s": 30.0, "min_linger_s": 30.0}} if getattr(args, "prometheus_targets", None)
@@ -88,10 +87,10 @@ def check(args) -> Plan:
         "alpha": args.alpha, "classes_per_silo": args.classes_per_silo, "unlabeled_limit": args.unlabeled,
         "seed": args.seed, "hub_config": hub_config, "test_per_class": args.test_per_class,
         "validation_per_class": validation_per_class(args, entry.hub.needs_validation),
-        "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class, "source": source,
+        "labeled_silos": args.labeled_silos, "silo_labels_per_class": args.silo_labels_per_class,
         "hub_host": args.hub_host,
     }
-    return Plan(options, entry.hub.needs_silos, policies, hub_config, stage_options, source.description)
+    return Plan(options, entry.hub.needs_silos, policies, hub_config, stage_options, args.data, args.image_size)
 
 
 def tell(kind: str, **fields: Any) -> None:
@@ -99,9 +98,9 @@ def tell(kind: str, **fields: Any) -> None:
 
 
 def export_demo(args, plan: Plan) -> None:
-    from silo_sim.stage import stage_federation
+    from silo_sim.stage import load_source, stage_federation
 
-    staged = stage_federation(args.export_demo, **plan.stage_options)
+    staged = stage_federation(args.export_demo, **plan.stage_options, source=load_source(plan.data, plan.image_size))
     print(f"staged a demo federation in {staged.root}:")
     print(f"  hub:   silo-server --config {staged.hub_config}   (port 0 = a free port, written to "
           f"{staged.hub_state_dir}/port and bound again on a restart; set server.port to fix it)")
@@ -113,27 +112,35 @@ def export_demo(args, plan: Plan) -> None:
 
 
 def stage(args, plan: Plan) -> None:
-    from silo_sim.stage import stage_federation
-    from silo_sim.staging_cache import evict, federation_key, kept_federation
+    from silo_sim.stage import load_source, stage_federation
+    from silo_sim.staging_cache import describe, evict, federation_key, kept_federation, restore
 
     def hub_staged(hub_part) -> None:
         tell("hub_staged", staged=hub_part.to_json(), needs_silos=plan.needs_silos)
 
     t0 = time.time()
-    key = None if args.restage else federation_key(plan.stage_options["source"], plan.stage_options)
+    what = f"{args.silos} silos, {args.labels_per_class} hub labels per class and certificates"
+    key = None if args.restage else federation_key(plan.data, plan.image_size, plan.stage_options)
     if key is None:
-        console.print(f"staging {args.silos} silos, {args.labels_per_class} hub labels per class and certificates "
-                      f"in {args.workdir} from {plan.source_description} ...")
-        staged = stage_federation(args.workdir, **plan.stage_options, hub_staged=hub_staged)
+        source = load_source(plan.data, plan.image_size)
+        console.print(f"staging {what} in {args.workdir} from {source.description} ...")
+        staged = stage_federation(args.workdir, **plan.stage_options, source=source, hub_staged=hub_staged)
         reused = False
     else:
         with kept_federation(key) as (files, reused):
-            console.print(f"{'reusing' if reused else 'staging'} {args.silos} silos, {args.labels_per_class} hub "
-                          f"labels per class and certificates from {plan.source_description} "
-                          f"{'staged by an earlier run in' if reused else 'in'} {files} (--restage: afresh in "
-                          f"--workdir); state and logs in {args.workdir} ...")
-            staged = stage_federation(args.workdir, **plan.stage_options, hub_staged=hub_staged, files=files,
-                                      reuse=reused)
+            if reused:
+                staged, description = restore(args.workdir, files, hub_config=plan.hub_config,
+                                              hub_host=args.hub_host, seed=args.seed, hub_staged=hub_staged)
+                console.print(f"reusing {what} from {description} staged by an earlier run in {files} (--restage: "
+                              f"afresh in --workdir); state and logs in {args.workdir}")
+            else:
+                source = load_source(plan.data, plan.image_size)
+                console.print(f"staging {what} from {source.description} in {files}, kept for later runs with "
+                              f"the same data and options (--restage: in --workdir); state and logs in "
+                              f"{args.workdir} ...")
+                staged = stage_federation(args.workdir, **plan.stage_options, source=source, hub_staged=hub_staged,
+                                          files=files)
+                describe(files, source, staged)
     console.print(f"{'ready' if reused else 'staged'} in {time.time() - t0:.1f}s; the hub started meanwhile; "
                   f"{args.silos} silos join over mutual TLS")
     tell("staged", staged=staged.to_json(), options=plan.options, policies=plan.policies,

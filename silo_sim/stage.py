@@ -69,10 +69,9 @@ def load_source(source: str = "demo", image_size: int | None = None) -> SimData:
         size = image_size or 28
         return SimData(as_files(load_demo("train"), "demo"), as_files(load_demo("test"), "demo"), size, 1,
                        "the bundled demo subset")
-    name, sep, root = source.partition(":")
-    datasets = {d.lower().replace("fashionmnist", "fashion-mnist"): d for d in TORCHVISION_DATASETS}
-    if sep and name.lower() in datasets:
-        canonical = datasets[name.lower()]
+    named = torchvision_source(source)
+    if named is not None:
+        canonical, root = named
         channels = 1 if canonical in ("FashionMNIST", "MNIST") else 3
         size = image_size or (28 if channels == 1 else 32)
         train = as_files(load_torchvision(canonical, root, True, size, channels), canonical)
@@ -82,6 +81,13 @@ def load_source(source: str = "demo", image_size: int | None = None) -> SimData:
     if not folder.is_dir():
         raise DataError(f"--data {source}: not a folder nor one of the known sources; use {DATA_HELP}")
     return _folder_source(folder, image_size)
+
+
+def torchvision_source(source: str) -> tuple[str, str] | None:
+    """(torchvision's name of the data set, ROOT) for --data NAME:ROOT naming one of TORCHVISION_DATASETS, else None."""
+    name, sep, root = source.partition(":")
+    datasets = {d.lower().replace("fashionmnist", "fashion-mnist"): d for d in TORCHVISION_DATASETS}
+    return (datasets[name.lower()], root) if sep and name.lower() in datasets else None
 
 
 def cache_dir() -> Path:
@@ -197,7 +203,6 @@ def stage_federation(
     hub_host: str = "127.0.0.1",
     hub_staged: Callable[[StagedFederation], None] | None = None,
     files: Path | None = None,
-    reuse: bool = False,
 ) -> StagedFederation:
     """Stage images, certificates and hub.yaml under root. `validation_per_class` adds a held-out labeled split at
     the hub (disjoint from its labels and from the silos' images); the first `labeled_silos` silos keep up to
@@ -209,12 +214,10 @@ def stage_federation(
     still empty): silo-sim starts the hub there.
 
     `files`: where the images and certificates go (default: root; hub.yaml, the hub's and the silos' state always
-    go under root). `reuse`: `files` already holds what these same options staged (silo_sim/staging_cache.py), so
-    nothing is written there; the returned federation is the same."""
+    go under root): silo_sim/staging_cache.py keeps them there for later runs."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     files = Path(files) if files is not None else root
-    at = (lambda rel: rel) if files == root else (lambda rel: str(files / rel))  # hub.yaml's paths
     source = source or load_source("demo")
     train, test = source.train, source.test
     if test is None:  # held out from the pool before anything else is drawn from it
@@ -238,30 +241,71 @@ def stage_federation(
                            classes_per_silo=classes_per_silo, alpha=alpha)
 
     ca_dir = files / "pki" / "ca"
-    if not reuse:
-        init_ca(ca_dir)
-        dns, ips = ["localhost"], ["127.0.0.1"]
-        try:
-            ipaddress.ip_address(hub_host)
-            ips += [hub_host] if hub_host not in ips else []
-        except ValueError:
-            dns += [hub_host] if hub_host not in dns else []
-        issue_hub(ca_dir, files / "pki" / "hub", dns=dns, ips=ips)
-        write_images(hub_labeled, files / "hub" / "labeled", labeled=True)
-        write_images(test, files / "hub" / "test", labeled=True)
-        if validation is not None:
-            write_images(validation, files / "hub" / "validation", labeled=True)
+    init_ca(ca_dir)
+    dns, ips = ["localhost"], ["127.0.0.1"]
+    try:
+        ipaddress.ip_address(hub_host)
+        ips += [hub_host] if hub_host not in ips else []
+    except ValueError:
+        dns += [hub_host] if hub_host not in dns else []
+    issue_hub(ca_dir, files / "pki" / "hub", dns=dns, ips=ips)
+    write_images(hub_labeled, files / "hub" / "labeled", labeled=True)
+    write_images(test, files / "hub" / "test", labeled=True)
+    if validation is not None:
+        write_images(validation, files / "hub" / "validation", labeled=True)
 
     staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
                               ca_dir=ca_dir, hub_labeled=hub_labeled, test=test)
+    write_hub_yaml(staged.hub_config, files, hub_host=hub_host, validation=validation is not None,
+                   image_size=source.image_size, channels=source.channels, num_silos=num_silos, seed=seed,
+                   hub_config=hub_config)
+    if hub_staged is not None:  # the hub's part is complete: its files, its certificate, hub.yaml
+        hub_staged(staged)
+
+    # The silos' certificates are issued (one pass over the CA's inventory) while their images are linked or
+    # written: the one is mostly cryptography, the other file-system calls.
+    names = [silo_name(i) for i in range(1, len(parts) + 1)]
+    # The links are made on two threads: os.link waits in the kernel without the GIL, one silo's folder apart from
+    # another's, and the hub is the only other process busy at this time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stage-links") as linkers:
+        issued = certs_thread.submit(issue_silos, ca_dir, [(name, files / "pki" / "silos" / name) for name in names])
+        written = []
+        for i, idx in enumerate(parts, start=1):
+            name = silo_name(i)
+            base = files / "silos" / name
+            shard = pool.subset(np.sort(idx))
+            labeled, labeled_dir = None, None
+            if i <= labeled_silos and silo_labels_per_class > 0:
+                picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
+                labeled, labeled_dir = shard.subset(picked), base / "labeled"
+                shard = shard.subset(np.setdiff1d(np.arange(len(shard)), picked))
+            data_dir = base / "images" if len(shard) else None
+            written.append(linkers.submit(_write_silo_files, base, shard, data_dir, labeled, labeled_dir))
+            staged.silos.append(SiloSpec(name, files / "pki" / "silos" / name, data_dir,
+                                         root / "silos" / name / "state", base / "labels.json", len(shard),
+                                         labeled_dir, len(labeled) if labeled is not None else 0))
+        for done in written:
+            done.result()  # raises what writing one silo's files raised
+        issued.result()
+    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
+    return staged
+
+
+def write_hub_yaml(path: Path, files: Path, *, hub_host: str, validation: bool, image_size: int, channels: int,
+                   num_silos: int, seed: int, hub_config: dict[str, Any] | None) -> None:
+    """The hub's config at `path`, as an operator would write it, `hub_config` merged over silo-sim's defaults; the
+    hub's certificates and folders are those under `files` (relative paths when they sit beside hub.yaml)."""
+    def at(rel: str) -> str:
+        return rel if files == path.parent else str(files / rel)
+
     config = {
         "run": {"name": "silo-sim", "seed": seed, "device": "auto", "state_dir": "hub/state"},
         "server": {"host": hub_host, "port": 0, "certs": at("pki/hub"), "linger_s": 10.0},
         "data": {"labeled": {"kind": "imagefolder", "path": at("hub/labeled")},
                  "test": {"kind": "imagefolder", "path": at("hub/test")},
-                 **({"validation": {"kind": "imagefolder", "path": at("hub/validation")}} if validation is not None
-                    else {})},
-        "model": {"name": "small_cnn", "image_size": source.image_size, "in_channels": source.channels},
+                 **({"validation": {"kind": "imagefolder", "path": at("hub/validation")}} if validation else {})},
+        "model": {"name": "small_cnn", "image_size": image_size, "in_channels": channels},
         "algorithm": {"name": "semifl", "options": {}},
         # Sampling and quorum are left to the hub's defaults (every silo, half of them), so that hub_config may set
         # either the fraction or the count key of each (setting both is an error).
@@ -275,41 +319,7 @@ def stage_federation(
             config[section] = values
     if "factory" in config["model"]:  # the user's own network replaces the default name (setting both is an error)
         config["model"].pop("name", None)
-    staged.hub_config.write_text(yaml.safe_dump(config, sort_keys=False))
-    if hub_staged is not None:  # the hub's part is complete: its files, its certificate, hub.yaml
-        hub_staged(staged)
-
-    # The silos' certificates are issued (one pass over the CA's inventory) while their images are linked or
-    # written: the one is mostly cryptography, the other file-system calls.
-    names = [silo_name(i) for i in range(1, len(parts) + 1)]
-    # The links are made on two threads: os.link waits in the kernel without the GIL, one silo's folder apart from
-    # another's, and the hub is the only other process busy at this time.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-certs") as certs_thread, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="stage-links") as linkers:
-        issued = None if reuse else certs_thread.submit(
-            issue_silos, ca_dir, [(name, files / "pki" / "silos" / name) for name in names])
-        written = []
-        for i, idx in enumerate(parts, start=1):
-            name = silo_name(i)
-            base = files / "silos" / name
-            shard = pool.subset(np.sort(idx))
-            labeled, labeled_dir = None, None
-            if i <= labeled_silos and silo_labels_per_class > 0:
-                picked = _take_per_class(shard.labels.numpy(), silo_labels_per_class, rng)
-                labeled, labeled_dir = shard.subset(picked), base / "labeled"
-                shard = shard.subset(np.setdiff1d(np.arange(len(shard)), picked))
-            data_dir = base / "images" if len(shard) else None
-            if not reuse:
-                written.append(linkers.submit(_write_silo_files, base, shard, data_dir, labeled, labeled_dir))
-            staged.silos.append(SiloSpec(name, files / "pki" / "silos" / name, data_dir,
-                                         root / "silos" / name / "state", base / "labels.json", len(shard),
-                                         labeled_dir, len(labeled) if labeled is not None else 0))
-        for done in written:
-            done.result()  # raises what writing one silo's files raised
-        if issued is not None:
-            issued.result()
-    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
-    return staged
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 def _write_silo_files(base: Path, shard: ImageSet, data_dir: Path | None, labeled: ImageSet | None,

@@ -10,9 +10,11 @@ logs; those are written for each run in its --workdir, so no run sees another's 
 under a lock and used only once complete; one whose certificates have fewer than MIN_DAYS_LEFT days left is staged
 again; the KEEP most recently used are kept.
 
-Only sources whose files are content-addressed are kept (the demo and torchvision data sets, written once as PNG
-files named by a fingerprint of their pixels): a folder of the user's own images could change under the same
-paths, so it is staged afresh each run.
+The key names the data by its own files (the bundled demo file, or the torchvision data set's files, with their
+sizes and modification times), so a run whose federation is kept reads no image before its hub starts; the
+federation's own description (federation.json: the model's input size and channels, every silo's files) is kept
+beside it. Only those sources are kept: a folder of the user's own images could change under the same paths, so
+it is staged afresh each run.
 """
 
 from __future__ import annotations
@@ -21,25 +23,26 @@ import contextlib
 import datetime as dt
 import fcntl
 import hashlib
+import importlib.resources
 import json
-import logging
-import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
 
 from security.pki.store import BUNDLE_CERT
-from silo_sim.stage import SimData, cache_dir
+from silo_core.data.datasets import DEMO_FILE
+from silo_sim.stage import SimData, cache_dir, torchvision_source, write_hub_yaml
+from silo_sim.staged import STAGED_FILE, SiloSpec, StagedFederation
 
-log = logging.getLogger("silo_sim")
-
-LAYOUT = 1  # bump when what stage_federation writes changes, so older folders are not reused
+LAYOUT = 2  # bump when what stage_federation writes changes, so older folders are not reused
 KEEP = 3  # staged federations kept, the most recently used
 MIN_DAYS_LEFT = 30  # a kept federation whose certificates expire sooner is staged again
 COMPLETE = "complete"
+FEDERATION_FILE = "federation.json"  # what a later run needs to use the federation without the data set
 # The staging options that change what is written (hub_config and the hub's port do not: they go to hub.yaml).
 KEYED_OPTIONS = ("num_silos", "labels_per_class", "partition", "alpha", "classes_per_silo", "unlabeled_limit",
                  "test_per_class", "seed", "validation_per_class", "labeled_silos", "silo_labels_per_class",
@@ -50,29 +53,76 @@ def federations_dir() -> Path:
     return cache_dir() / "sim-federations"
 
 
-def federation_key(source: SimData, options: dict[str, Any]) -> str | None:
-    """The key of the federation `options` stage from `source`, or None when the source's files are not the
-    content-addressed PNG cache (then nothing is kept)."""
-    sim_data = f"{cache_dir() / 'sim-data'}{os.sep}"
-    digest = hashlib.sha256(json.dumps({"layout": LAYOUT, "size": source.image_size, "channels": source.channels,
-                                        **{k: options.get(k) for k in KEYED_OPTIONS}}, sort_keys=True).encode())
-    for images in (source.train, source.test):
-        if images is None:
-            digest.update(b"no test set")
-            continue
-        path_strings = getattr(images.images, "path_strings", None)  # files on disk (ImageFiles), not tensors
-        paths = path_strings() if path_strings is not None else None  # strings: 70,000 Paths took half a second
-        if paths is None or not all(p.startswith(sim_data) for p in paths):
+def source_identity(data: str) -> list[Any] | None:
+    """What --data names, without reading an image: the files its images come from, with their sizes and
+    modification times (the bundled demo file, or the torchvision data set's own files). None for a folder of the
+    user's own images, which is never kept."""
+    named = torchvision_source(data)
+    if data == "demo":
+        files = [Path(str(importlib.resources.files("silo_core").joinpath("demo_data", DEMO_FILE)))]
+    elif named is not None:
+        canonical, root = named
+        folder = {"FashionMNIST": Path(root) / "FashionMNIST" / "raw", "MNIST": Path(root) / "MNIST" / "raw",
+                  "CIFAR10": Path(root) / "cifar-10-batches-py"}.get(canonical)
+        files = sorted(folder.iterdir()) if folder is not None and folder.is_dir() else sorted(
+            Path(root).glob("*_32x32.mat"))
+    else:
+        return None
+    stamps = []
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
             return None
-        digest.update("\n".join(paths).encode())
-        digest.update(images.labels.numpy().astype("<i8").tobytes())
-    return digest.hexdigest()[:24]
+        stamps.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+    return [data, stamps] if stamps else None
+
+
+def federation_key(data: str, image_size: int | None, options: dict[str, Any]) -> str | None:
+    """The key of the federation `options` stage from --data `data` (and --image-size), or None when `data` is a
+    folder of the user's own images (nothing is kept). Reads no image, so that a run whose federation is kept
+    starts its hub without loading the data set."""
+    identity = source_identity(data)
+    if identity is None:
+        return None
+    described = {"layout": LAYOUT, "source": identity, "image_size": image_size,
+                 **{k: options.get(k) for k in KEYED_OPTIONS}}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def describe(files: Path, source: SimData, staged: StagedFederation) -> None:
+    """Write what a later run needs to use the federation just staged under `files` without the data set: the
+    model's input, the words for the data, whether there is a validation split, and every silo's files."""
+    (files / FEDERATION_FILE).write_text(json.dumps({
+        "image_size": source.image_size, "channels": source.channels, "description": source.description,
+        "validation": (files / "hub" / "validation").is_dir(), "silos": [s.to_json() for s in staged.silos]}))
+
+
+def restore(root: Path, files: Path, *, hub_config: dict[str, Any] | None, hub_host: str, seed: int,
+            hub_staged: Callable[[StagedFederation], None] | None = None) -> tuple[StagedFederation, str]:
+    """The federation kept under `files` as this run's, in `root`: its hub.yaml (`hub_config` merged as when
+    staging), staged.json and each silo's state folder there; `hub_staged` is called once hub.yaml is written, as
+    stage_federation calls it. Returns it and the words for its data."""
+    saved = json.loads((files / FEDERATION_FILE).read_text())
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    staged = StagedFederation(root=root, hub_config=root / "hub.yaml", hub_state_dir=root / "hub" / "state",
+                              ca_dir=files / "pki" / "ca")
+    write_hub_yaml(staged.hub_config, files, hub_host=hub_host, validation=bool(saved["validation"]),
+                   image_size=int(saved["image_size"]), channels=int(saved["channels"]),
+                   num_silos=len(saved["silos"]), seed=seed, hub_config=hub_config)
+    if hub_staged is not None:
+        hub_staged(staged)
+    staged.silos = [replace(SiloSpec.from_json(s), state_dir=root / "silos" / s["name"] / "state")
+                    for s in saved["silos"]]
+    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
+    return staged, str(saved["description"])
 
 
 def _usable(folder: Path, hub_cert: Path) -> bool:
     """Complete, and its certificates valid for MIN_DAYS_LEFT days more (the hub's and the silos' were issued
     together, for the same days)."""
-    if not (folder / COMPLETE).is_file():
+    if not (folder / COMPLETE).is_file() or not (folder / FEDERATION_FILE).is_file():
         return False
     try:
         cert = x509.load_pem_x509_certificate(hub_cert.read_bytes())

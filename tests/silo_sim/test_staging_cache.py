@@ -16,9 +16,9 @@ from security.pki.store import BUNDLE_CERT
 from silo_core.data import list_image_files
 from silo_sim import staging_cache
 from silo_sim.prepare import main as prepare
-from silo_sim.stage import load_source
+from silo_sim.stage import load_source, stage_federation
 from silo_sim.staged import STAGING_EVENT, StagedFederation
-from silo_sim.staging_cache import COMPLETE, evict, federation_key, federations_dir, kept_federation
+from silo_sim.staging_cache import COMPLETE, describe, evict, federation_key, federations_dir, kept_federation
 
 SMALL = ["--silos", "3", "--labels-per-class", "1", "--unlabeled", "30", "--test-per-class", "2", "--rounds", "1",
          "--seed", "11"]  # a seed no other test stages with
@@ -36,11 +36,17 @@ def serial(bundle) -> int:
     return x509.load_pem_x509_certificate((bundle / BUNDLE_CERT).read_bytes()).serial_number
 
 
-def test_a_second_run_reuses_the_files_and_keeps_its_own_state(tmp_path, capsys) -> None:
+def test_a_second_run_reuses_the_files_and_keeps_its_own_state(tmp_path, capsys, monkeypatch) -> None:
     first, said = staged_by(capsys, tmp_path / "one")
-    assert "staging 3 silos" in said
-    second, said = staged_by(capsys, tmp_path / "two")
-    assert "reusing 3 silos" in said and "staged by an earlier run in" in said
+    assert "staging 3 silos" in said and "kept for later runs" in said
+
+    def no_images(*args, **kwargs):
+        raise AssertionError("a run whose federation is kept reads no image before its hub starts")
+
+    with monkeypatch.context() as m:
+        m.setattr("silo_sim.stage.load_source", no_images)
+        second, said = staged_by(capsys, tmp_path / "two")
+    assert "reusing 3 silos" in said and "staged by an earlier run in" in said and "bundled demo" in said
     kept = federations_dir()
     for a, b in zip(first.silos, second.silos, strict=True):
         assert a.certs == b.certs and a.data == b.data and a.labels == b.labels  # the same files, in the cache
@@ -64,20 +70,28 @@ def test_a_second_run_reuses_the_files_and_keeps_its_own_state(tmp_path, capsys)
     assert len(list_image_files(restaged.silos[0].data)) == 10
 
 
-def test_other_options_and_folder_sources_get_no_shared_federation(tmp_path) -> None:
-    source = load_source("demo")
+def test_other_options_or_data_files_get_their_own_federation_and_a_folder_none(tmp_path) -> None:
     options = {"num_silos": 3, "labels_per_class": 1, "partition": "iid", "seed": 0, "hub_host": "127.0.0.1"}
-    key = federation_key(source, options)
-    assert key is not None and key == federation_key(source, dict(options))
-    assert len({key, federation_key(source, {**options, "seed": 1}),
-                federation_key(source, {**options, "partition": "noniid"}),
-                federation_key(source, {**options, "num_silos": 4}),
-                federation_key(source, {**options, "hub_host": "10.0.0.5"})}) == 5
-    assert federation_key(source, {**options, "hub_config": {"rounds": {"total": 9}}}) == key  # goes to hub.yaml
+    key = federation_key("demo", None, options)
+    assert key is not None and key == federation_key("demo", None, dict(options))
+    assert len({key, federation_key("demo", None, {**options, "seed": 1}),
+                federation_key("demo", None, {**options, "partition": "noniid"}),
+                federation_key("demo", None, {**options, "num_silos": 4}),
+                federation_key("demo", None, {**options, "hub_host": "10.0.0.5"}),
+                federation_key("demo", 32, options)}) == 6
+    assert federation_key("demo", None, {**options, "hub_config": {"rounds": {"total": 9}}}) == key  # hub.yaml's
+    raw = tmp_path / "tv" / "FashionMNIST" / "raw"  # a torchvision data set is named by its own files
+    raw.mkdir(parents=True)
+    (raw / "train-images-idx3-ubyte").write_bytes(b"x" * 100)
+    tv = federation_key(f"fashion-mnist:{tmp_path / 'tv'}", None, options)
+    assert tv is not None and tv != key
+    (raw / "train-images-idx3-ubyte").write_bytes(b"y" * 101)  # replaced: another federation
+    assert federation_key(f"fashion-mnist:{tmp_path / 'tv'}", None, options) not in (tv, None)
+    assert federation_key(f"fashion-mnist:{tmp_path / 'missing'}", None, options) is None  # loading will say why
     for label in ("a", "b"):  # the user's own folder may change under the same paths: never kept
         (tmp_path / "own" / label).mkdir(parents=True)
         Image.new("L", (8, 8)).save(tmp_path / "own" / label / "1.png")
-    assert federation_key(load_source(str(tmp_path / "own")), options) is None
+    assert federation_key(str(tmp_path / "own"), None, options) is None
 
 
 def test_a_half_staged_or_expiring_federation_is_staged_again(tmp_path, monkeypatch) -> None:
@@ -103,13 +117,12 @@ def test_a_half_staged_or_expiring_federation_is_staged_again(tmp_path, monkeypa
 
 
 def stage_kept(workdir) -> str:
-    from silo_sim.stage import stage_federation
-
     source = load_source("demo")
     options = {"num_silos": 2, "labels_per_class": 1, "unlabeled_limit": 10, "test_per_class": 1, "seed": 5}
-    key = federation_key(source, options)
+    key = federation_key("demo", None, options)
     with kept_federation(key) as (files, reuse):
-        stage_federation(workdir, **options, source=source, files=files, reuse=reuse)
+        assert not reuse
+        describe(files, source, stage_federation(workdir, **options, source=source, files=files))
     return key
 
 
