@@ -47,7 +47,7 @@ from silo_core.data import (
     save_png_folder,
 )
 from silo_core.partition import make_partition, split_labeled_per_class
-from silo_sim.staged import DATA_HELP, STAGED_FILE, SiloSpec, StagedFederation
+from silo_sim.staged import DATA_HELP, SiloSpec, StagedFederation
 
 
 @dataclass
@@ -288,7 +288,7 @@ def stage_federation(
         for done in written:
             done.result()  # raises what writing one silo's files raised
         issued.result()
-    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
+    staged.write()
     return staged
 
 

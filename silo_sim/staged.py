@@ -66,6 +66,10 @@ class StagedFederation:
         return {"root": str(self.root), "hub_config": str(self.hub_config), "hub_state_dir": str(self.hub_state_dir),
                 "ca_dir": str(self.ca_dir), "silos": [s.to_json() for s in self.silos]}
 
+    def write(self) -> None:
+        """Record where this federation's files are, as its STAGED_FILE under its root (read back by `read`)."""
+        (self.root / STAGED_FILE).write_text(json.dumps(self.to_json(), indent=1))
+
     @classmethod
     def read(cls, root: Path) -> StagedFederation:
         """The federation staged under `root` (its STAGED_FILE)."""

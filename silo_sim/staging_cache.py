@@ -36,7 +36,7 @@ from cryptography import x509
 from security.pki.store import BUNDLE_CERT
 from silo_core.data.datasets import DEMO_FILE
 from silo_sim.stage import SimData, cache_dir, torchvision_source, write_hub_yaml
-from silo_sim.staged import STAGED_FILE, SiloSpec, StagedFederation
+from silo_sim.staged import SiloSpec, StagedFederation
 
 LAYOUT = 2  # bump when what stage_federation writes changes, so older folders are not reused
 KEEP = 3  # staged federations kept, the most recently used
@@ -115,7 +115,7 @@ def restore(root: Path, files: Path, *, hub_config: dict[str, Any] | None, hub_h
         hub_staged(staged)
     staged.silos = [replace(SiloSpec.from_json(s), state_dir=root / "silos" / s["name"] / "state")
                     for s in saved["silos"]]
-    (root / STAGED_FILE).write_text(json.dumps(staged.to_json(), indent=1))
+    staged.write()
     return staged, str(saved["description"])
 
 
