@@ -26,6 +26,33 @@ log = logging.getLogger("security")
 
 # A stale CRL is still enforced (refusing everyone would stop the federation) but the operator is told, this often.
 _STALE_WARNING_EVERY_S = 3600.0
+_CHECKED_KEPT = 16  # distinct (CRL, CA) pairs whose checked contents are kept per process
+
+
+class _CheckedLists:
+    """What a CRL signed by a CA says (its revoked serials and next update), by the exact bytes of both files. A
+    silo-sim host's hundreds of silos each read their own copy of one CA's list; the same bytes always give the
+    same answer, so its signature is checked once per process instead of once per silo."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[tuple[bytes, bytes], tuple[frozenset[int], dt.datetime | None]] = {}
+
+    def check(self, crl_pem: bytes, ca_pem: bytes, where: str) -> tuple[frozenset[int], dt.datetime | None]:
+        with self._lock:
+            known = self._kept.get((crl_pem, ca_pem))
+        if known is not None:
+            return known
+        crl = parse_crl(crl_pem, ca_pem, where)  # PkiError naming `where` when it does not parse or verify
+        known = (frozenset(r.serial_number for r in crl), crl.next_update_utc)
+        with self._lock:
+            if len(self._kept) >= _CHECKED_KEPT:
+                self._kept.clear()
+            self._kept[(crl_pem, ca_pem)] = known
+        return known
+
+
+_CHECKED = _CheckedLists()
 
 
 class CrlError(ValueError):
@@ -73,9 +100,8 @@ class RevocationList:
         # Stat before reading (the caller did): if the file changes after the read, the next stat differs and
         # the next lookup loads it again, so a copy that was half-written when we read it is picked up later.
         self._seen = seen
-        crl = parse_crl(self.crl_path.read_bytes(), self.ca_path.read_bytes(), str(self.crl_path))
-        self._revoked = frozenset(r.serial_number for r in crl)
-        self.next_update = crl.next_update_utc
+        self._revoked, self.next_update = _CHECKED.check(self.crl_path.read_bytes(), self.ca_path.read_bytes(),
+                                                         str(self.crl_path))
         self.loaded_at = time.time()
 
     def refresh(self) -> None:

@@ -85,3 +85,26 @@ def test_a_stale_crl_is_still_enforced_and_the_operator_is_told(setup, tmp_path,
         assert crl.is_revoked(_serial(s1))
     stale = [r for r in caplog.records if "past its next update" in r.message]
     assert len(stale) == 1 and "silo-certs crl" in stale[0].message  # warned once, not on every call
+
+
+def test_copies_of_one_list_share_its_check_and_another_ca_never_does(setup, tmp_path: Path) -> None:
+    """A silo-sim host's silos each read their own copy of the CA's list; its signature is checked once per
+    process, by the exact bytes of the list and of the CA it is checked against, so the same list judged against
+    another CA is checked (and refused) on its own."""
+    ca, hub = setup
+    s1 = pki.issue_silo(ca, "s1", tmp_path / "s1")
+    pki.revoke(ca, "s1")
+    copies = []
+    for i in range(3):
+        folder = tmp_path / f"copy{i}"
+        folder.mkdir()
+        shutil.copyfile(ca / "crl.pem", folder / "crl.pem")
+        shutil.copyfile(ca / "ca.pem", folder / "ca.pem")
+        copies.append(RevocationList(folder / "crl.pem", folder / "ca.pem"))
+    assert all(c.is_revoked(_serial(s1)) and c.revoked_serials == {_serial(s1)} for c in copies)
+    assert len({c.next_update for c in copies}) == 1
+
+    foreign = pki.init_ca(tmp_path / "foreign")
+    shutil.copyfile(foreign / "ca.pem", tmp_path / "copy0" / "ca.pem")  # the same list, another CA beside it
+    with pytest.raises(CrlError, match="not signed by the federation CA"):
+        RevocationList(tmp_path / "copy0" / "crl.pem", tmp_path / "copy0" / "ca.pem")
