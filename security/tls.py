@@ -29,6 +29,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from security.pki import BUNDLE_CA, BUNDLE_CERT, BUNDLE_KEY, PkiError, validate_silo_name
@@ -64,8 +66,22 @@ def _hint(role: str, bundle_dir: Path) -> str:
     )
 
 
-def _read_bundle(bundle_dir: Path, role: str) -> tuple[bytes, bytes, bytes]:
-    """Return (ca, cert, key) PEM bytes of a bundle after checking it can work for ``role`` ("server"/"client")."""
+@dataclass(frozen=True)
+class Bundle:
+    """A certificate bundle read and checked by :func:`read_bundle`: its three PEM files, and the certificate and key
+    parsed (a silo signs its secure-aggregation keys with them, so they are parsed once for the channel and that)."""
+
+    dir: Path
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+    cert: x509.Certificate
+    key: PrivateKeyTypes
+
+
+def read_bundle(bundle_dir: Path, role: str) -> Bundle:
+    """A bundle's files, after checking they can work for ``role`` ("server"/"client"); TlsError naming the file
+    and the fix otherwise."""
     bundle_dir = Path(bundle_dir)
     if not bundle_dir.is_dir():
         raise TlsError(f"certificate bundle {bundle_dir} is not a directory; {_hint(role, bundle_dir)}")
@@ -123,13 +139,13 @@ def _read_bundle(bundle_dir: Path, role: str) -> tuple[bytes, bytes, bytes]:
             f"{bundle_dir / BUNDLE_CERT} expired on {cert.not_valid_after_utc:%Y-%m-%d}; issue a new one: "
             + _hint(role, bundle_dir)
         )
-    return ca_pem, cert_pem, key_pem
+    return Bundle(bundle_dir, ca_pem, cert_pem, key_pem, cert, key)
 
 
 def server_credentials(bundle_dir: Path) -> grpc.ServerCredentials:
     """Hub credentials: serve the hub certificate and require a client certificate signed by the bundle's CA."""
-    ca, cert, key = _read_bundle(bundle_dir, "server")
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    b = read_bundle(bundle_dir, "server")
+    return grpc.ssl_server_credentials([(b.key_pem, b.cert_pem)], root_certificates=b.ca_pem, require_client_auth=True)
 
 
 class ReloadingServerCredentials:
@@ -148,17 +164,18 @@ class ReloadingServerCredentials:
         self._lock = threading.Lock()
         self.reloads = 0
         seen = self._signatures()
-        ca, cert, key = _read_bundle(self.bundle_dir, "server")
+        bundle = read_bundle(self.bundle_dir, "server")
         self._loaded, self._rejected = seen, None
         if on_load is not None:
-            on_load(cert)
+            on_load(bundle.cert_pem)
         self.credentials = grpc.dynamic_ssl_server_credentials(
-            self._configuration(ca, cert, key), self._fetch, require_client_authentication=True
+            self._configuration(bundle), self._fetch, require_client_authentication=True
         )
 
     @staticmethod
-    def _configuration(ca: bytes, cert: bytes, key: bytes) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+    def _configuration(bundle: Bundle) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(bundle.key_pem, bundle.cert_pem)],
+                                                         root_certificates=bundle.ca_pem)
 
     def _signatures(self) -> tuple:
         out = []
@@ -180,7 +197,7 @@ class ReloadingServerCredentials:
                 if seen in (self._loaded, self._rejected):
                     return None
                 try:
-                    ca, cert, key = _read_bundle(self.bundle_dir, "server")
+                    bundle = read_bundle(self.bundle_dir, "server")
                 except TlsError as e:
                     self._rejected = seen
                     log.warning("hub certificate bundle changed but is not usable yet (%s); still serving the "
@@ -189,22 +206,23 @@ class ReloadingServerCredentials:
                 self._loaded, self._rejected = seen, None
                 self.reloads += 1
                 if self.on_load is not None:
-                    self.on_load(cert)
-                return self._configuration(ca, cert, key)
+                    self.on_load(bundle.cert_pem)
+                return self._configuration(bundle)
         except Exception:  # a bug here must not take the listener down
             log.exception("reloading the hub certificate failed; still serving the previous certificate")
             return None
 
 
-def channel_credentials(bundle_dir: Path) -> grpc.ChannelCredentials:
-    """Silo credentials: trust only the federation CA and present the silo's client certificate."""
-    ca, cert, key = _read_bundle(bundle_dir, "client")
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+def channel_credentials(bundle: Path | Bundle) -> grpc.ChannelCredentials:
+    """Silo credentials: trust only the federation CA and present the silo's client certificate. ``bundle``: its
+    folder, or the bundle read_bundle(folder, "client") gave."""
+    b = bundle if isinstance(bundle, Bundle) else read_bundle(bundle, "client")
+    return grpc.ssl_channel_credentials(root_certificates=b.ca_pem, private_key=b.key_pem, certificate_chain=b.cert_pem)
 
 
 def secure_channel(
     target: str,
-    bundle_dir: Path,
+    bundle: Path | Bundle,
     options: Sequence[tuple[str, Any]] = (),
     server_name: str | None = None,
 ) -> grpc.Channel:
@@ -217,7 +235,7 @@ def secure_channel(
     opts = list(options)
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.secure_channel(target, channel_credentials(bundle_dir), options=opts)
+    return grpc.secure_channel(target, channel_credentials(bundle), options=opts)
 
 
 def target_host(target: str) -> str:
@@ -237,7 +255,7 @@ def split_target(target: str) -> tuple[str, int]:
 def hub_tls_context(bundle_dir: Path) -> ssl.SSLContext:
     """A TLS client context like the silo's gRPC channel: its own certificate, the federation CA as the only trust
     anchor, the hub's name checked, ALPN h2. For :func:`hub_certificate`; build it once and reuse it."""
-    ca, _, _ = _read_bundle(bundle_dir, "client")
+    ca = read_bundle(bundle_dir, "client").ca_pem
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_verify_locations(cadata=ca.decode())

@@ -32,7 +32,7 @@ from security.terms import (
     terms_sha256,
 )
 from security.terms import as_dict as terms_dict
-from security.tls import insecure_dev_channel, secure_channel
+from security.tls import insecure_dev_channel, read_bundle, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.budget import TaskBudget
 from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
@@ -113,6 +113,7 @@ class SiloClient:
             ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 0),
         ]
+        bundle = None
         if settings.insecure_dev_silo_id:
             self.log.warning("INSECURE DEVELOPMENT MODE: plaintext to %s, declaring silo id %s without a certificate; "
                              "never use this with real data", settings.hub, settings.insecure_dev_silo_id)
@@ -120,7 +121,8 @@ class SiloClient:
         elif settings.certs is None:
             raise SiloError("no certificate bundle given: pass --certs with a bundle from `silo-certs issue-silo`")
         else:
-            self.channel = secure_channel(settings.hub, settings.certs, options=options)
+            bundle = read_bundle(settings.certs, "client")  # read and checked once: for the channel and the identity
+            self.channel = secure_channel(settings.hub, bundle, options=options)
         # A handshake of our own before joining checks the hub's certificate against the CRL, and tells a
         # verification failure that will not fix itself from a hub that is merely away.
         self.hub_check = HubCertificateCheck(settings.hub, settings.certs, settings.crl,
@@ -145,8 +147,8 @@ class SiloClient:
         self.skipped_images = 0
         self.skipped_at_load = 0  # files refused when the folders were loaded; the rest were found while training
         identity = verifier = None
-        if self.hub_check.enabled:  # secure aggregation: this silo signs its keys, checks its neighbours'
-            identity = SiloIdentity.from_bundle(settings.certs)
+        if bundle is not None:  # secure aggregation: this silo signs its keys, checks its neighbours'
+            identity = SiloIdentity.of(bundle.cert, bundle.key, bundle.dir)
             verifier = PeerVerifier(self.hub_check.trusted_ca, self.hub_check.revoked)
         self.privacy = SiloPrivacy(send_result=self.outbox.upload, send_stage=self.outbox.stage, identity=identity,
                                    verifier=verifier)

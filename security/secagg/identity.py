@@ -81,13 +81,20 @@ class SiloIdentity:
             key = serialization.load_pem_private_key((certs_dir / BUNDLE_KEY).read_bytes(), password=None)
         except (OSError, ValueError, TypeError, UnsupportedAlgorithm) as err:
             raise IdentityError(f"cannot load the silo bundle in {certs_dir}: {err}") from None
+        return cls.of(cert, key, certs_dir)
+
+    @classmethod
+    def of(cls, cert: x509.Certificate, key: object, certs_dir: Path) -> SiloIdentity:
+        """The identity of a bundle parsed already (security.tls.read_bundle, which the silo's channel uses too);
+        `certs_dir` names its files in errors."""
+        certs_dir = Path(certs_dir)
         silo_id = _common_name(cert)
         if silo_id is None:
             raise IdentityError(f"{certs_dir / BUNDLE_CERT} has no single common name to serve as the silo id")
-        if not _is_p256(key) or key.public_key() != cert.public_key():
+        if not _is_p256(key) or key.public_key() != cert.public_key():  # type: ignore[attr-defined]
             raise IdentityError(f"{certs_dir / BUNDLE_KEY} is not the EC P-256 key of {certs_dir / BUNDLE_CERT} "
                                 f"(silo {silo_id})")
-        return cls(silo_id, cert.public_bytes(serialization.Encoding.DER), key)
+        return cls(silo_id, cert.public_bytes(serialization.Encoding.DER), key)  # type: ignore[arg-type]
 
     def sign(self, data: bytes) -> bytes:
         """ECDSA P-256 over SHA-256(data), DER-encoded (r, s); a fresh random nonce each time."""
