@@ -283,10 +283,14 @@ class RoundLoop:
         needed = max(self.settings.min_silos, self.fewest_sampled())
         with self.cond:
             while not self.stop_event.is_set():
-                live = self.registry.live_silos()
+                # Every join wakes this loop, and counting the live silos walks them all (a thousand walks of a
+                # thousand silos as a large federation joins): skipped while fewer than `needed` silos ever joined,
+                # since the live ones are among them, unless the count is due in the log.
+                log_due = time.time() - last_log > 10
+                live = self.registry.live_silos() if len(self.registry.silos) >= needed or log_due else []
                 if len(live) >= needed:
                     return live
-                if time.time() - last_log > 10:
+                if log_due:
                     preparing = len(self.registry.preparing_silos())
                     dropped = self.registry.dropped_silos()
                     kept_out = sorted(self.registry.quarantine.names()) if self.registry.quarantine else []

@@ -246,6 +246,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
         self.pool = pool  # blocking hub calls run here (None: the loop's default executor)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future | None = None
+        self._run_message: tuple[dict | None, silo_pb2.RunDescription] = (None, silo_pb2.RunDescription())
 
     # ------------------------------------------------------------------ plumbing
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -301,7 +302,9 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                 await self._abort(context, r)
             if self.on_join is not None:
                 self.on_join(silo_id, peer_certificate(context))
-            return silo_pb2.JoinReply(silo_id=silo_id, run=run_description_message(desc))
+            if self._run_message[0] is not desc:  # the same run for every silo: built once (a thousand joins)
+                self._run_message = (desc, run_description_message(desc))
+            return silo_pb2.JoinReply(silo_id=silo_id, run=self._run_message[1])
 
     async def NextTask(self, request, context):
         """Held until there is something for this silo (or the long-poll cap): an idle silo costs the hub one call
