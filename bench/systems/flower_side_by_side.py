@@ -57,6 +57,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,31 @@ def watch(proc: subprocess.Popen) -> tuple[dict[str, Any], list[str]]:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+def cores_busy(over_s: float = 1.0) -> float | None:
+    """CPU cores in use over the next `over_s` seconds, from /proc/stat (None where there is none)."""
+    def ticks() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # busy (all but idle and iowait), all
+
+    try:
+        busy0, all0 = ticks()
+        time.sleep(over_s)
+        busy1, all1 = ticks()
+    except OSError:
+        return None
+    return (busy1 - busy0) / max(1, all1 - all0) * (os.cpu_count() or 1)
+
+
+def settle(max_busy: float = 0.25, wait_s: float = 60.0) -> float | None:
+    """Wait (up to wait_s) until the machine is idle: the processes of the run before (Ray's among them) can go on
+    working for seconds after it ends, and the load average lags a minute behind. Returns the cores last seen busy."""
+    deadline = time.time() + wait_s
+    busy = cores_busy()
+    while busy is not None and busy > max_busy and time.time() < deadline:
+        busy = cores_busy()
+    return busy
 
 
 # ------------------------------------------------------------------ silokit half
@@ -392,6 +418,19 @@ def wait_for_quiet(max_load: float, wait_s: float) -> bool:
     return True
 
 
+def start_up_spread(runs: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, float]]:
+    """Launch to round 1 by (silos, engine), for those measured more than once: median, low, high, runs."""
+    times: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for run in runs:
+        if "launch_to_round1_seconds" in run:
+            times.setdefault((run["silos"], run["engine"]), []).append(
+                (run["launch_to_round1_seconds"], run["launch_to_round1_end_seconds"]))
+    return {key: {"median": statistics.median(s for s, _ in pairs), "low": min(s for s, _ in pairs),
+                  "high": max(s for s, _ in pairs), "median_end": statistics.median(e for _, e in pairs),
+                  "runs": len(pairs)}
+            for key, pairs in times.items() if len(pairs) > 1}
+
+
 def markdown(result: dict[str, Any]) -> str:
     s, m = result["settings"], result["machine"]
     lines = [f"# silokit (silo-sim) against Flower {m.get('flwr', '?')} simulation: same workload", "",
@@ -420,6 +459,17 @@ def markdown(result: dict[str, Any]) -> str:
             f"{st['round_seconds']:.2f} s | {cycle} | {st['train_sum_seconds']:.2f} s | "
             f"**{st['overhead_seconds']:.2f} s** | {mem['pss_MB']:,.0f} MB ({mem['rss_MB']:,.0f} MB, "
             f"{mem['processes']} processes) | {run['load_before']:.1f} / {run['load_after']:.1f} |")
+    repeated = start_up_spread(result["runs"])
+    if repeated:
+        lines += ["", "Launch to round 1 over the repeated runs (`--repeat`; start-up moves by about half a second from "
+                  "run to run on this machine): median and range of its start, and the median to its scored model:",
+                  ""]
+        lines += [f"- {silos:,} silos, {engine}: **{s['median']:.1f} s** ({s['low']:.1f}-{s['high']:.1f} s over "
+                  f"{s['runs']} runs), scored model {s['median_end']:.1f} s" for (silos, engine), s in repeated.items()]
+    busy = [run["cores_busy_before"] for run in result["runs"] if run.get("cores_busy_before") is not None]
+    if busy:
+        lines += ["", f"Each run started once the machine was idle (at most 0.25 cores busy over a second, waited for "
+                      f"up to a minute): {min(busy):.2f}-{max(busy):.2f} cores busy just before the runs."]
     lines += ["", "Peak PSS by process, at the moment the sum peaked (MB: summed over the processes of that kind, "
               "and the largest one):", ""]
     for run in result["runs"]:
@@ -462,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-load", type=float, default=3.0,
                    help="run an N only when the 1-minute load average is below this (0: do not wait)")
     p.add_argument("--wait", type=float, default=1800, help="seconds to wait for that per N before skipping it")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each engine at each silo count, the engines alternating (default 1); the table lists "
+                        "every run and, for start-up, which varies from run to run, the median and range")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--flower-half", metavar="JSON", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -475,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                 "or pass its interpreter")
     if min(args.silos) < args.per_round or args.per_round < 1 or args.rounds < 1 or args.local_steps < 1:
         p.error("--silos must each be at least --per-round, and --per-round, --rounds and --local-steps at least 1")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     import torch
 
     machine = {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
@@ -484,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     result = {"settings": {"silos": args.silos, "per_round": args.per_round, "rounds": args.rounds,
                            "local_steps": args.local_steps, "labels_per_class": args.labels_per_class,
-                           "test_per_class": args.test_per_class, "slots": args.slots, "command": command},
+                           "test_per_class": args.test_per_class, "slots": args.slots, "repeat": args.repeat,
+                           "command": command},
               "machine": machine, "runs": runs}
 
     def save() -> None:  # after every run, so a long comparison that fails later keeps what it measured
@@ -499,8 +555,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs += [{"engine": e, "silos": silos, "skipped": why} for e in args.engines]
                 save()
                 continue
-            for engine in args.engines:
-                run = (run_silokit if engine == "silokit" else run_flower)(args, silos, Path(tmp))
+            for repeat, engine in [(i, e) for i in range(args.repeat) for e in args.engines]:
+                workdir = Path(tmp) / f"repeat-{repeat}"  # a run of its own: a hub would resume another's state
+                workdir.mkdir(exist_ok=True)
+                busy = settle() if args.max_load > 0 else None
+                run = (run_silokit if engine == "silokit" else run_flower)(args, silos, workdir)
+                run["cores_busy_before"] = busy
                 if engine == "flower":
                     machine.update(flwr=run["versions"]["flwr"], flower_ray=run["versions"]["ray"])
                 runs.append(run)

@@ -47,3 +47,15 @@ def test_clients_training_at_once_is_their_summed_time_over_the_time_any_of_them
     assert at_once([(0.0, 2.0), (0.0, 2.0), (2.0, 4.0), (2.0, 4.0)]) == 2.0  # two side by side
     assert at_once([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(5.0 / 4.0)  # overlap, then a gap
     assert at_once([]) == 0.0
+
+
+def test_repeated_runs_give_the_median_and_range_of_the_start_up_per_engine_and_size():
+    runs = [{"engine": "silokit", "silos": 1000, "launch_to_round1_seconds": s, "launch_to_round1_end_seconds": s + 2}
+            for s in (6.1, 5.4, 5.7)]
+    runs += [{"engine": "flower", "silos": 1000, "launch_to_round1_seconds": 2.5, "launch_to_round1_end_seconds": 10.5},
+             {"engine": "flower", "silos": 10, "launch_to_round1_seconds": 2.3, "launch_to_round1_end_seconds": 10.0},
+             {"engine": "silokit", "silos": 10, "skipped": "load"}]
+    spread = bench().start_up_spread(runs)
+    assert set(spread) == {(1000, "silokit")}  # a single run has no spread; a skipped one no time
+    assert spread[(1000, "silokit")] == pytest.approx({"median": 5.7, "low": 5.4, "high": 6.1, "median_end": 7.7,
+                                                       "runs": 3})
