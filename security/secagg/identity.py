@@ -91,10 +91,10 @@ class SiloIdentity:
         silo_id = _common_name(cert)
         if silo_id is None:
             raise IdentityError(f"{certs_dir / BUNDLE_CERT} has no single common name to serve as the silo id")
-        if not _is_p256(key) or key.public_key() != cert.public_key():  # type: ignore[attr-defined]
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or not _is_p256(key) or key.public_key() != cert.public_key():
             raise IdentityError(f"{certs_dir / BUNDLE_KEY} is not the EC P-256 key of {certs_dir / BUNDLE_CERT} "
                                 f"(silo {silo_id})")
-        return cls(silo_id, cert.public_bytes(serialization.Encoding.DER), key)  # type: ignore[arg-type]
+        return cls(silo_id, cert.public_bytes(serialization.Encoding.DER), key)
 
     def sign(self, data: bytes) -> bytes:
         """ECDSA P-256 over SHA-256(data), DER-encoded (r, s); a fresh random nonce each time."""
