@@ -10,8 +10,8 @@ exercised as with the worker pool. What Ray adds is placement and supervision:
 - an actor that dies (its process killed, its node lost) is reported with the silos it hosted, and while the hub
   has rounds left a new actor takes over those silos: they join again with their certificates and state folders,
   like a branch that restarted;
-- with --ship-silo-files the actors need no shared file system: each gets its silos' certificates, images and
-  labels as one tar archive (Ray's object store carries it to the actor's node), unpacks it into a temporary
+- with --ship-silo-files the actors need no shared file system: each gets its silos' certificates, images,
+  labels and branch policies as one tar archive (Ray's object store carries it to the actor's node), unpacks it into a temporary
   folder there and removes it at the end; its silos start with empty state folders, and a replacement gets the
   archive again. Each actor reports the address of its /metrics endpoint, for --prometheus-targets.
 
@@ -41,7 +41,9 @@ log = logging.getLogger("silo_sim.ray")
 INSTALL_HINT = 'the Ray engine needs Ray: pip install -e ".[ray]"'
 ACTOR_EXIT_WAIT_S = 10.0  # how long closing waits for the local Ray's actor processes to exit
 ACTORS_FILE = "ray-actors.json"  # under the sim's logs/: each actor's pid and silos, for operators (and tests)
-SILO_FILES = ("certs", "data", "labeled", "labels")  # a silo's paths in a host spec that --ship-silo-files carries
+# A silo's paths in a host spec that --ship-silo-files carries: its branch policy too, or a silo given one with
+# --silo-policy would fail on a node without the sim's folder (or, worse, find another file at that path).
+SILO_FILES = ("certs", "data", "labeled", "labels", "policy")
 
 
 def pack_share(spec: dict[str, Any]) -> bytes:

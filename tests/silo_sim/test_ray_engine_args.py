@@ -46,8 +46,8 @@ def test_good_engine_flags_pass():
 
 
 def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state(tmp_path):
-    """--ship-silo-files: a host spec's certificates, images and labels travel as one archive and the unpacked spec
-    points at the copies (a node without the sim's folder), each silo with a new state folder."""
+    """--ship-silo-files: a host spec's certificates, images, labels and branch policies travel as one archive and
+    the unpacked spec points at the copies (a node without the sim's folder), each silo with a new state folder."""
     staged = tmp_path / "staged"
     spec = {"hub": "10.0.0.1:50051", "metrics_port_file": str(staged / "worker-0.metrics_port"), "silos": []}
     for name in ("silo-001", "silo-002"):
@@ -57,8 +57,14 @@ def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state
         (base / "certs" / "cert.pem").write_bytes(b"cert of " + name.encode())
         (base / "images" / "sub" / "0.png").write_bytes(bytes(range(256)) + name.encode())
         (base / "labels.json").write_text("[1, 2]")
+        policy = None
+        if name == "silo-001":  # --silo-policy 1=FILE: one silo with a policy, the other without
+            policy = tmp_path / "policies" / "strict.yaml"
+            policy.parent.mkdir()
+            policy.write_text("secure_aggregation: required\n")
         spec["silos"].append({"name": name, "certs": str(base / "certs"), "data": str(base / "images"),
-                              "labeled": None, "labels": str(base / "labels.json"), "state_dir": str(base / "state")})
+                              "labeled": None, "labels": str(base / "labels.json"), "state_dir": str(base / "state"),
+                              "policy": str(policy) if policy else None})
     node = tmp_path / "node"
     unpacked = unpack_share(spec, pack_share(spec), node)
     assert unpacked["hub"] == spec["hub"] and unpacked["metrics_port_file"] == str(node / "metrics_port")
@@ -70,6 +76,9 @@ def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state
         assert (Path(after["data"]) / "sub" / "0.png").read_bytes() == (Path(before["data"]) / "sub" / "0.png").read_bytes()
         assert Path(after["labels"]).read_text() == "[1, 2]"
         assert after["state_dir"] == str(node / before["name"] / "state")
+    first, second = unpacked["silos"]
+    assert first["policy"].startswith(str(node)) and Path(first["policy"]).read_text() == "secure_aggregation: required\n"
+    assert second["policy"] is None
 
 
 def test_the_sweep_removes_only_this_runs_copies_whose_actor_is_gone(tmp_path) -> None:
