@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --engine ray: GPUs each silo host actor requests (fractions allowed; default 0)")
     p.add_argument("--ship-silo-files", action="store_true",
                    help="with --engine ray: send each actor its silos' certificates, images and branch policies "
-                        "(one archive per actor, unpacked in a temporary folder on its node and removed after), for a cluster whose "
-                        "nodes do not share this machine's file system")
+                        "(one archive per actor, unpacked in a temporary folder on its node and removed after), for "
+                        "a cluster whose nodes do not share this machine's file system")
     p.add_argument("--hub-host", default="127.0.0.1", metavar="HOST",
                    help="the address the hub listens on and the silos dial (default 127.0.0.1: this machine only); "
                         "for Ray actors on other machines, an address of this machine they can reach. The hub's "

@@ -11,9 +11,9 @@ exercised as with the worker pool. What Ray adds is placement and supervision:
   has rounds left a new actor takes over those silos: they join again with their certificates and state folders,
   like a branch that restarted;
 - with --ship-silo-files the actors need no shared file system: each gets its silos' certificates, images,
-  labels and branch policies as one tar archive (Ray's object store carries it to the actor's node), unpacks it into a temporary
-  folder there and removes it at the end; its silos start with empty state folders, and a replacement gets the
-  archive again. Each actor reports the address of its /metrics endpoint, for --prometheus-targets.
+  labels and branch policies as one tar archive (Ray's object store carries it to the actor's node), unpacks it
+  into a temporary folder there and removes it at the end; its silos start with empty state folders, and a
+  replacement gets the archive again. Each actor reports the address of its /metrics endpoint, for --prometheus-targets.
 
 Ray is imported here only, and only when this engine is chosen, so silo-sim without the `ray` extra never loads it.
 Only plain JSON-like specs and exit codes pass between the driver and the actors (Ray pickles them between our own

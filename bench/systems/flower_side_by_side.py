@@ -461,8 +461,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{mem['processes']} processes) | {run['load_before']:.1f} / {run['load_after']:.1f} |")
     repeated = start_up_spread(result["runs"])
     if repeated:
-        lines += ["", "Launch to round 1 over the repeated runs (`--repeat`; start-up moves by about half a second from "
-                  "run to run on this machine): median and range of its start, and the median to its scored model:",
+        lines += ["", "Launch to round 1 over the repeated runs (`--repeat`; start-up moves by about half a second "
+                  "from run to run on this machine): median and range of its start, and the median to its scored "
+                  "model:",
                   ""]
         lines += [f"- {silos:,} silos, {engine}: **{s['median']:.1f} s** ({s['low']:.1f}-{s['high']:.1f} s over "
                   f"{s['runs']} runs), scored model {s['median_end']:.1f} s" for (silos, engine), s in repeated.items()]

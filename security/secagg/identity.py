@@ -91,7 +91,8 @@ class SiloIdentity:
         silo_id = _common_name(cert)
         if silo_id is None:
             raise IdentityError(f"{certs_dir / BUNDLE_CERT} has no single common name to serve as the silo id")
-        if not isinstance(key, ec.EllipticCurvePrivateKey) or not _is_p256(key) or key.public_key() != cert.public_key():
+        if (not isinstance(key, ec.EllipticCurvePrivateKey) or not _is_p256(key)
+                or key.public_key() != cert.public_key()):
             raise IdentityError(f"{certs_dir / BUNDLE_KEY} is not the EC P-256 key of {certs_dir / BUNDLE_CERT} "
                                 f"(silo {silo_id})")
         return cls(silo_id, cert.public_bytes(serialization.Encoding.DER), key)
