@@ -66,6 +66,23 @@ def test_two_runs_sharing_an_output_folder_split_the_cells_between_them(tmp_path
     assert list((tmp_path / "running").iterdir()) == []  # claims are released once a cell is saved
 
 
+@pytest.mark.skipif(not (DATA / "FashionMNIST" / "raw").is_dir(), reason="Fashion-MNIST files not beside the repo")
+def test_jobs_share_the_cells_of_one_command_out_among_processes(tmp_path):
+    """`--jobs 2` is the two runs above as one command: it starts a helper on the same folder and queue, waits
+    for it and writes the table of both; --fresh is done once, before the helper starts."""
+    (tmp_path / "results.json").write_text("{}")  # a stale file that --fresh must drop, not the helper trip on
+    command = [sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--profile", "tiny",
+               "--data-root", str(DATA), "--out", str(tmp_path), "--jobs", "2", "--fresh"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = [line.split()[1] for line in proc.stdout.splitlines() if "seed 0:" in line]
+    assert sorted(trained) == ["semifl", "server-only"]  # each cell once, by this run or its helper
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(c["method"] for c in results["cells"]) == ["semifl", "server-only"]
+    assert "| semifl |" in (tmp_path / "table.md").read_text()
+    assert list((tmp_path / "running").iterdir()) == []
+
+
 def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
     quality = load_script("bench/quality/run.py", "quality_run")
     assert quality.parse_option_overrides(["semifl.hub_epochs=2", "semifl.lr_schedule=constant",
@@ -92,12 +109,14 @@ def test_a_saved_cell_survives_an_option_added_later_at_its_default():
 
 
 def test_option_width_or_head_override_needs_its_own_output_folder(capsys):
-    quality = load_script("bench/quality/run.py", "quality_run")  # its main(), in this process: six refusals
+    quality = load_script("bench/quality/run.py", "quality_run")  # its main(), in this process: eight refusals
     refused = [(["--option", "semifl.tau=0.5"], "give --out DIR"), (["--width", "32"], "give --out DIR"),
                (["--head", "flatten"], "give --out DIR"),
                (["--head", "flatten", "--model", "wrn28_2", "--out", "x"], "--head flatten: for --model small_cnn only"),
                (["--model", "wrn28_2", "--width", "32", "--out", "unused"], "for --model small_cnn only"),
-               (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model, --width and --head")]
+               (["--wire-check", "--width", "32", "--out", "unused"], "leave out --model, --width and --head"),
+               (["--jobs", "0"], "--jobs 0: a whole number of at least 1"),
+               (["--jobs", "2", "--ray"], "--jobs 2: a whole number of at least 1, without --ray")]
     for change, message in refused:
         with pytest.raises(SystemExit) as exited:
             quality.main(["--profile", "tiny", *change])
