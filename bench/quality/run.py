@@ -132,6 +132,11 @@ PROFILES = {
                     method_options={**SAME_BUDGET, **TUNED}),
 }
 
+# Cells trained at a time when --jobs is not given. The medium profile's promise is an hour on 2 cores: two
+# 1-thread jobs took 53 minutes where one 2-thread job took about 69 (its IID half 35). Its committed cells ran so,
+# and a cell's arithmetic depends on its thread count. The full profile's cells ran at 2 threads: left at 1 job.
+DEFAULT_JOBS = {"medium": 2}
+
 # What a profile's table can and cannot tell, printed under its title. Kept apart from Profile on purpose: a
 # new Profile field would change the settings saved in results.json and drop every saved cell on the next run.
 # The quick profile's note is measured (issue 37; `python bench/quality/diagnose_semifl.py --profile quick`):
@@ -148,11 +153,12 @@ PROFILES = {
 PROFILE_NOTES: dict[str, str] = {
     "medium": "**This profile ranks methods on IID and on 2 classes per silo, one seed** (measured against the "
               "full profile, bench/README.md): its order is the full profile's on both, except FedSEAL and HASSLE "
-              "with 2 classes per silo, which the full profile puts 0.2 points apart (a tie at its seed spread); "
-              "on IID every lift over server-only is within a point of the full profile's (SemiFL +2.4 against "
-              "+3.0) but FedAvg+FixMatch's, whose full cells spread over 17 points between seeds; with 2 classes "
-              "per silo within 1.4 points (SemiFL +1.0 against +2.0, the supervised ceiling +3.8 against +2.4). "
-              "The supervised ceiling is above server-only on both. Run `full` for numbers over three seeds.",
+              "with 2 classes per silo, 0.3 points apart here and 0.2 there (a tie at the full profile's seed "
+              "spread); every lift over server-only is within a point of the full profile's (SemiFL +2.2 against "
+              "+3.0 on IID, +1.7 against +2.0 with 2 classes per silo) but FedAvg+FixMatch's on IID, whose full "
+              "cells spread over 17 points between seeds, and the supervised ceiling's with 2 classes per silo "
+              "(+3.8 against +2.4). The supervised ceiling is above server-only on both. Run `full` for numbers "
+              "over three seeds.",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
@@ -579,8 +585,9 @@ def run_queue(todo, out, results_path, settings, cells, keep, finished, profile,
 
 
 def start_helper_jobs(argv: list[str], count: int, threads: int) -> list[subprocess.Popen]:
-    """`count` more runs of this command on the same folder (without --jobs and --fresh, which this run did):
-    the claim-file queue shares the cells out among them."""
+    """`count` more runs of this command on the same folder, each one job (or a profile's default of several would
+    have every helper start helpers of its own) and without --fresh, which this run did: the claim-file queue
+    shares the cells out among them."""
     rest, skip = [], False
     for arg in argv:
         if skip:
@@ -589,7 +596,7 @@ def start_helper_jobs(argv: list[str], count: int, threads: int) -> list[subproc
             skip = True
         elif not (arg.startswith("--jobs=") or arg == "--fresh"):
             rest.append(arg)
-    command = [sys.executable, str(Path(__file__).resolve()), *rest, "--threads", str(threads)]
+    command = [sys.executable, str(Path(__file__).resolve()), *rest, "--jobs", "1", "--threads", str(threads)]
     return [subprocess.Popen(command) for _ in range(count)]
 
 
@@ -628,10 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", choices=list(HEADS), help="small_cnn's classifier head (default pool: average over the "
                    "last feature maps; flatten: every position of them); needs --out")
     p.add_argument("--device", default="auto")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=int,
                    help="train this many cells at a time, each in its own process sharing the output's queue "
-                        "(without --ray); on 2 cores --jobs 2 fills the table about 15%% faster than one job of 2 "
-                        "threads, as small batches use a second thread poorly")
+                        "(without --ray; default 2 for the medium profile, else 1); on 2 cores --jobs 2 fills the "
+                        "table about 20%% faster than one job of 2 threads, as small batches use a second thread "
+                        "poorly")
     p.add_argument("--threads", type=int,
                    help="torch threads per cell (default: the cores shared out over --jobs); with --ray, the CPUs "
                         "each cell's task requests")
@@ -644,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--option", action="append", default=[], metavar="METHOD.OPTION=VALUE",
                    help="change one method's option for this run (repeatable); needs --out")
     args = p.parse_args(argv)
+    if args.jobs is None:
+        args.jobs = 1 if args.ray is not None else DEFAULT_JOBS.get(args.profile, 1)
     if args.jobs < 1 or (args.jobs > 1 and args.ray is not None):
         p.error(f"--jobs {args.jobs}: a whole number of at least 1, without --ray (Ray runs cells side by side itself)")
     if args.threads is None:

@@ -83,6 +83,19 @@ def test_jobs_share_the_cells_of_one_command_out_among_processes(tmp_path):
     assert list((tmp_path / "running").iterdir()) == []
 
 
+def test_helper_jobs_are_single_jobs_without_fresh(monkeypatch):
+    """A profile may default to several jobs (medium: 2): a helper that kept that default would start helpers of
+    its own, without end."""
+    quality = load_script("bench/quality/run.py", "quality_run")
+    started = []
+    monkeypatch.setattr(quality.subprocess, "Popen", lambda command: started.append(command) or command)
+    quality.start_helper_jobs(["--profile", "medium", "--jobs", "3", "--fresh", "--jobs=3", "--out", "x"], 2, 1)
+    assert len(started) == 2
+    for command in started:
+        assert command[2:] == ["--profile", "medium", "--out", "x", "--jobs", "1", "--threads", "1"]
+    assert quality.DEFAULT_JOBS["medium"] == 2
+
+
 def test_option_overrides_parse_to_json_values_and_refuse_unknown_names():
     quality = load_script("bench/quality/run.py", "quality_run")
     assert quality.parse_option_overrides(["semifl.hub_epochs=2", "semifl.lr_schedule=constant",
