@@ -3,14 +3,15 @@
 The "bring your own task" question needs a hub that starts from pretrained weights, and nothing may be downloaded,
 so this trains one on the CIFAR-10 JPEG folders in ../shared/data (README there) and writes its weights without the
 classifier (the network's last linear layer: resnet18's `fc`, small_cnn's `classifier`): loaded with
-model.init_weights into a 1-channel Fashion-MNIST model, the stem is summed over colour and the head starts fresh. 500 images per class are held out and never trained on; the accuracy on them is
-what this script reports (the CIFAR-10 test split is not here).
+model.init_weights into a 1-channel Fashion-MNIST model, the stem is summed over colour and the head starts fresh.
+500 images per class are held out and never trained on; the accuracy on them is what this script reports (the
+CIFAR-10 test split is not here).
 
     mkdir -p /tmp/cifar10 && tar -xzf ../shared/data/CIFAR10/cifar10-train-jpeg.tar.gz -C /tmp/cifar10
     python bench/quality/pretrain_cifar.py --data /tmp/cifar10/train --epochs 3 --train-per-class 2000 \
         --out bench/quality/results/pretrained/resnet18_cifar10_backbone.safetensors
-    python bench/quality/pretrain_cifar.py --data /tmp/cifar10/train --model small_cnn --epochs 15 \
-        --out small_cnn_cifar10_backbone.safetensors
+    python bench/quality/pretrain_cifar.py --data /tmp/cifar10/train --model small_cnn --epochs 10 \
+        --out bench/quality/results/pretrained/small_cnn_cifar10_backbone.safetensors
 """
 
 from __future__ import annotations

@@ -569,21 +569,6 @@ def save_results(path: Path, profile: str, settings: dict[str, Any], info: dict[
     return merged
 
 
-def run_queue(todo, out, results_path, settings, cells, keep, finished, profile, train, test, device, model,
-              model_options, init_weights) -> None:
-    """Train every cell of `todo` that no run sharing this folder has finished or is training."""
-    for key in todo:
-        with results_lock(results_path):
-            done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
-            claim = claim_cell(out, key, done)
-        if claim is None:
-            continue
-        try:
-            finished(run_cell(*key, profile, train, test, device, model, model_options, init_weights))
-        finally:
-            claim.unlink(missing_ok=True)
-
-
 def start_helper_jobs(argv: list[str], count: int, threads: int) -> list[subprocess.Popen]:
     """`count` more runs of this command on the same folder, each one job (or a profile's default of several would
     have every helper start helpers of its own) and without --fresh, which this run did: the claim-file queue
@@ -754,8 +739,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             device = resolve_device(args.device)
             train, test = load_data(args.data_root, profile)
-            run_queue(todo, out, results_path, settings, cells, keep, finished, profile, train, test, device,
-                      args.model, model_options, args.init_weights)
+            for key in todo:
+                # Runs sharing this folder share its queue: skip what another run finished or is training.
+                with results_lock(results_path):
+                    done = {cell_key(c) for c in previous_cells(results_path, settings) + cells if keep(c)}
+                    claim = claim_cell(out, key, done)
+                if claim is None:
+                    continue
+                try:
+                    finished(run_cell(*key, profile, train, test, device, args.model, model_options,
+                                      args.init_weights))
+                finally:
+                    claim.unlink(missing_ok=True)
         finally:
             failed = wait_for_helper_jobs(helpers)
         if failed:
