@@ -152,13 +152,13 @@ DEFAULT_JOBS = {"medium": 2}
 # (SemiFL +1.9 over server-only by round 10 of 100).
 PROFILE_NOTES: dict[str, str] = {
     "medium": "**This profile ranks methods on IID and on 2 classes per silo, one seed** (measured against the "
-              "full profile, bench/README.md): its order is the full profile's on both, except FedSEAL and HASSLE "
-              "with 2 classes per silo, 0.3 points apart here and 0.2 there (a tie at the full profile's seed "
-              "spread); every lift over server-only is within a point of the full profile's (SemiFL +2.2 against "
-              "+3.0 on IID, +1.7 against +2.0 with 2 classes per silo) but FedAvg+FixMatch's on IID, whose full "
-              "cells spread over 17 points between seeds, and the supervised ceiling's with 2 classes per silo "
-              "(+3.8 against +2.4). The supervised ceiling is above server-only on both. Run `full` for numbers "
-              "over three seeds.",
+              "full profile on today's code, bench/README.md): its order is the full profile's on both, except "
+              "HASSLE against server-only with 2 classes per silo, a tie in both (0.3 above here, 0.3 below over "
+              "the full profile's three seeds); every lift over server-only is within a point of the full "
+              "profile's (SemiFL +2.2 against +3.0 on IID, +1.7 against +1.3 with 2 classes per silo) but "
+              "FedAvg+FixMatch's, whose full IID cells spread over 20 points between seeds, and the supervised "
+              "ceiling's with 2 classes per silo (+3.8 against +2.3). The supervised ceiling is above server-only "
+              "on both. Run `full` for numbers over three seeds.",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
