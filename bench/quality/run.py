@@ -151,14 +151,16 @@ DEFAULT_JOBS = {"medium": 2}
 # weights and gets about 10 steps a silo a round, so it ends below the floor too. The full profile ranks
 # (SemiFL +1.9 over server-only by round 10 of 100).
 PROFILE_NOTES: dict[str, str] = {
-    "medium": "**This profile ranks methods on IID and on 2 classes per silo, one seed** (measured against the "
-              "full profile on today's code, bench/README.md): its order is the full profile's on both, except "
-              "HASSLE against server-only with 2 classes per silo, a tie in both (0.3 above here, 0.3 below over "
-              "the full profile's three seeds); every lift over server-only is within a point of the full "
-              "profile's (SemiFL +2.2 against +3.0 on IID, +1.7 against +1.3 with 2 classes per silo) but "
-              "FedAvg+FixMatch's, whose full IID cells spread over 20 points between seeds, and the supervised "
-              "ceiling's with 2 classes per silo (+3.8 against +2.3). The supervised ceiling is above server-only "
-              "on both. Run `full` for numbers over three seeds.",
+    "medium": "**This profile ranks methods on IID and on 2 classes per silo** (measured against the full "
+              "profile on today's code, bench/README.md): its order is the full profile's on both, except "
+              "HASSLE against server-only with 2 classes per silo, a tie in both (0.4 above here, 0.3 below in "
+              "the full profile, three seeds each). Over three seeds every lift over server-only is within a "
+              "point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE "
+              "+0.6 against +0.1) but FedAvg+FixMatch's, whose cells spread over 20 points between seeds in both "
+              "profiles; with 2 classes per silo too, where the full profile has one seed for most methods, but "
+              "for the supervised ceiling's (+3.8 against +2.3). The supervised ceiling is above server-only on "
+              "both. One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); the "
+              "profile runs seed 0, `--seeds 0 1 2` all three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
