@@ -157,9 +157,9 @@ PROFILE_NOTES: dict[str, str] = {
               "the full profile, three seeds each). Over three seeds every lift over server-only is within a "
               "point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE "
               "+0.6 against +0.1; 2 classes per silo, where the full profile has three seeds for server-only and "
-              "HASSLE alone: HASSLE +0.4 against -0.3) but FedAvg+FixMatch's in both partitions, whose cells "
-              "spread over 20 points between seeds in both profiles, and the supervised ceiling's with 2 classes "
-              "per silo (+3.8 against +2.3, one seed). The supervised ceiling is above server-only on both. One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); the "
+              "HASSLE alone: SemiFL +1.7 against +1.3, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 "
+              "against +2.3) but FedAvg+FixMatch's, whose cells spread over 20 points between seeds in both "
+              "profiles. The supervised ceiling is above server-only on both. One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); the "
               "profile runs seed 0, `--seeds 0 1 2` all three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
