@@ -159,8 +159,9 @@ PROFILE_NOTES: dict[str, str] = {
               "+0.6 against +0.1; 2 classes per silo, where the full profile has three seeds for server-only and "
               "HASSLE alone: SemiFL +1.7 against +1.3, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 "
               "against +2.3) but FedAvg+FixMatch's, whose cells spread over 20 points between seeds in both "
-              "profiles. The supervised ceiling is above server-only on both. One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); the "
-              "profile runs seed 0, `--seeds 0 1 2` all three (about 2.5 hours).",
+              "profiles. The supervised ceiling is above server-only on both. One seed's lift is good to about a "
+              "point (HASSLE's spread from -0.9 to +1.4 here); the profile runs seed 0, `--seeds 0 1 2` all "
+              "three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
