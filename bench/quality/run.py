@@ -158,8 +158,9 @@ PROFILE_NOTES: dict[str, str] = {
               "point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE "
               "+0.6 against +0.1; 2 classes per silo, where the full profile has three seeds for server-only and "
               "HASSLE alone: SemiFL +1.7 against +1.3, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 "
-              "against +2.3) but FedAvg+FixMatch's, whose cells spread over 20 points between seeds in both "
-              "profiles. The supervised ceiling is above server-only on both. One seed's lift is good to about a "
+              "against +2.3, FedAvg+FixMatch -5.9 against -5.5) but FedAvg+FixMatch's on IID (-21.9 against "
+              "-15.1), whose cells spread over 20 points between seeds in both profiles. The supervised ceiling "
+              "is above server-only on both (+10.1 and +3.1 here). One seed's lift is good to about a "
               "point (HASSLE's spread from -0.9 to +1.4 here); the profile runs seed 0, `--seeds 0 1 2` all "
               "three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
