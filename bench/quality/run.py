@@ -335,9 +335,22 @@ def wire_check_line(check: dict[str, Any]) -> str:
             f"in any round {100 * check['max_abs_difference']:.2f} points.\n")
 
 
+def cpu_name() -> str:
+    """The processor's model name, "AMD EPYC" say; platform.processor() is empty on Linux."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
+    # The CPU and the vector instructions torch picked its kernels for are recorded because a cell's figures
+    # depend on them: the same command with the same torch and threads ends a few tenths to a point apart on
+    # another processor (bench/README.md).
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available()}
+            "cpu_count": os.cpu_count(), "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -364,6 +377,23 @@ def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
     return "; ".join(f"{m} {', '.join(sorted(c))}" for m, c in changes.items() if c)
 
 
+def processor(machine_info: dict[str, Any]) -> str:
+    return f"{machine_info['cpu']}, {machine_info['cpu_capability']}"
+
+
+def processors_line(cells: list[dict[str, Any]]) -> str:
+    """A line naming each processor the cells ran on, when they ran on more than one; "" otherwise."""
+    counts: dict[str, int] = {}
+    for cell in cells:
+        info = cell.get("machine", {})
+        name = processor(info) if "cpu" in info else "not recorded"
+        counts[name] = counts.get(name, 0) + 1
+    if len([name for name in counts if name != "not recorded"]) < 2:
+        return ""
+    return ("The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): "
+            + "; ".join(f"{name}, {n} cell{'s' if n > 1 else ''}" for name, n in counts.items()) + ".")
+
+
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
@@ -376,7 +406,9 @@ def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info:
                 "does not apply, see bench/README.md)" if other else "") + ", mean ± std over seeds (n = seeds).",
              *([PROFILE_NOTES[profile_name]] if profile_name in PROFILE_NOTES and not other else []),
              f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
+             + (f" ({processor(machine_info)})" if "cpu" in machine_info else "")
              + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
+             *([line] if (line := processors_line(cells)) else []),
              f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.",
              *([f"Options that differ from the profile's: {changed}."] if (changed := changed_options(
                  cells, profile_name)) else []), "",

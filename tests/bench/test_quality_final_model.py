@@ -77,3 +77,21 @@ def test_the_quick_and_tiny_tables_say_they_do_not_rank_methods():
         header = quality.markdown_table(cells, profile, machine).split("| method |")[0]
         assert "does not rank methods" in header
     assert "does not rank" not in quality.markdown_table(cells, "full", machine)
+
+
+def test_the_table_names_each_processor_its_cells_ran_on():
+    quality = load_script("bench/quality/run.py", "quality_run")
+    here = quality.machine()
+    assert here["cpu"] and here["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    zen = {"platform": "test", "cpu_count": 2, "cuda": False, "cpu": "AMD EPYC", "cpu_capability": "AVX2"}
+    other = {**zen, "cpu": "Intel Xeon", "cpu_capability": "AVX512"}
+    cells = [{"method": "semifl", "partition": "iid", "seed": seed, "final_accuracy": 0.8, "model": "small_cnn",
+              "machine": info} for seed, info in enumerate([zen, zen, other, {"platform": "older run"}])]
+
+    header = quality.markdown_table(cells, "full", zen).split("| method |")[0]
+    assert "2 CPUs (AMD EPYC, AVX2), no GPU." in header
+    assert ("more than one processor, and a cell's figures move with it (bench/README.md): AMD EPYC, AVX2, 2 cells; "
+            "Intel Xeon, AVX512, 1 cell; not recorded, 1 cell.") in header
+    # One recorded processor beside cells from before it was recorded: nothing says they differ.
+    header = quality.markdown_table([cells[0], cells[3]], "full", zen).split("| method |")[0]
+    assert "more than one processor" not in header
