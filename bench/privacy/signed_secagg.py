@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.processor import cpu_name  # noqa: E402
 from security import pki  # noqa: E402
 from security.secagg import PeerVerifier, SecAggParams, SiloIdentity  # noqa: E402
 from security.secagg.inprocess import STAGE_ORDER, Costs, aggregate  # noqa: E402
@@ -51,15 +52,7 @@ RUN_ID = "bench-run"
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu_model": cpu, "cpu_count": os.cpu_count(),
+    return {"platform": platform.platform(), "cpu_model": cpu_name(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cryptography": cryptography.__version__}
 

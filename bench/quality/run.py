@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from pydantic import ValidationError  # noqa: E402
 
+from bench.processor import cpu_name  # noqa: E402
 from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
@@ -335,15 +337,6 @@ def wire_check_line(check: dict[str, Any]) -> str:
             f"in any round {100 * check['max_abs_difference']:.2f} points.\n")
 
 
-def cpu_name() -> str:
-    """The processor's model name, "AMD EPYC" say; platform.processor() is empty on Linux."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict[str, Any]:
     # The CPU and the vector instructions torch picked its kernels for are recorded because a cell's figures
     # depend on them: the same command with the same torch and threads ends a few tenths to a point apart on
@@ -383,11 +376,7 @@ def processor(machine_info: dict[str, Any]) -> str:
 
 def processors_line(cells: list[dict[str, Any]]) -> str:
     """A line naming each processor the cells ran on, when they ran on more than one; "" otherwise."""
-    counts: dict[str, int] = {}
-    for cell in cells:
-        info = cell.get("machine", {})
-        name = processor(info) if "cpu" in info else "not recorded"
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(processor(c["machine"]) if "cpu" in c.get("machine", {}) else "not recorded" for c in cells)
     if len([name for name in counts if name != "not recorded"]) < 2:
         return ""
     return ("The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): "
