@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 RESULTS = ROOT / "bench" / "privacy" / "results"
 
 
@@ -138,12 +139,13 @@ def main() -> int:
                      "added_down_bytes": round(cell["added"]["silo_bytes_down"]),
                      "added_up_bytes": round(cell["added"]["silo_bytes_up"])})
     out = {"command": "python bench/privacy/branch_costs.py", "date": dt.datetime.now(dt.UTC).isoformat(),
-           "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+           "machine": machine(),
            "training": {"images": images, "cpu_seconds": cpu, "wall_seconds": wall}, "checks_us": checks,
            "bookkeeping_ms_per_round": books, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "branch_costs.json").write_text(json.dumps(out, indent=2))
-    lines = [f"Command: `{out['command']}` ({out['date'][:19]}, {platform.platform()}, {os.cpu_count()} CPUs; the "
+    on = f"{out['machine']['platform']}, {cpus(out['machine'])}"
+    lines = [f"Command: `{out['command']}` ({out['date'][:19]}, {on}; the "
              "secure-aggregation costs from `python bench/privacy/signed_secagg.py`, same machine).", "",
              f"One round of SemiFL local training at the silo-sim demo's size ({images} unlabeled images, the demo's "
              f"options, small_cnn, CPU): **{train_cpu:.2f} CPU s** (median of {len(cpu)}; wall "

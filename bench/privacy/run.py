@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -42,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.processor import cpus, machine  # noqa: E402
 from security.dp import DPConfig, PrivacyAccountant  # noqa: E402
 from security.secagg import QuantizationRule, SecAggParams  # noqa: E402
 from security.secagg.inprocess import Costs, aggregate  # noqa: E402
@@ -49,11 +49,6 @@ from silo_core.models import ModelSpec  # noqa: E402
 from silo_core.rounds import RoundRecord  # noqa: E402
 
 OUT = ROOT / "bench" / "privacy" / "results"
-
-
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "cuda": torch.cuda.is_available()}
 
 
 # ------------------------------------------------------------------------------------------------ secure aggregation
@@ -116,7 +111,7 @@ def secagg_markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
     lines = [
         f"SecAgg+ cost for a {rows[0]['parameters'] / 1e6:.2f}M-parameter model (WRN-28-2 deltas + weight), "
         f"defaults (k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed point).",
-        f"Machine: {info['platform']}, {info['cpu_count']} CPUs (shared); in-process, silos one after another.",
+        f"Machine: {info['platform']}, {cpus(info)} (shared); in-process, silos one after another.",
         f"Plain float32 upload for comparison: {rows[0]['plain_upload_bytes'] / 1e6:.2f} MB per silo.", "",
         "| graph | silos | dropped after sharing | k | t | per-silo CPU s (mean / max) | per-silo up MB "
         "| per-silo down kB | hub CPU s | hub in MB |",

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.processor import cpu_name  # noqa: E402
+from bench.processor import cpus, machine  # noqa: E402
 from security import pki  # noqa: E402
 from security.secagg import PeerVerifier, SecAggParams, SiloIdentity  # noqa: E402
 from security.secagg.inprocess import STAGE_ORDER, Costs, aggregate  # noqa: E402
@@ -49,12 +47,6 @@ from silo_core.models import ModelSpec  # noqa: E402
 OUT = ROOT / "bench" / "privacy" / "results"
 MODES = ("unsigned", "signed, cold", "signed, warm")
 RUN_ID = "bench-run"
-
-
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpu_model": cpu_name(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cryptography": cryptography.__version__}
 
 
 def demo_update(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -149,7 +141,7 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
         f"Signed SecAgg+ (signed keys + consistency round) against unsigned, {rows[0]['parameters']:,} parameters "
         f"per silo (small_cnn deltas + weight), defaults (k = 3 ceil(log2 n), t = 2/3 k, Z_2^32, 20-bit fixed "
         f"point); median of {rows[0]['repeat']} rounds.",
-        f"Machine: {info['cpu_model']}, {info['cpu_count']} CPUs (shared), {info['platform']}, Python "
+        f"Machine: {cpus(info)} (shared), {info['platform']}, Python "
         f"{info['python']}, cryptography {info['cryptography']}. Date: {info['date']}.",
         "CPU seconds per party (time.process_time), silos one after another in one process.", "",
         "| silos | k / t | mode | CPU ms per silo | + ms per silo | all silos' CPU s per round | hub CPU s per "
@@ -182,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    info = {**machine(), "command": " ".join(["python", "bench/privacy/signed_secagg.py", *argv]),
+    info = {**machine(), "cryptography": cryptography.__version__,
+            "command": " ".join(["python", "bench/privacy/signed_secagg.py", *argv]),
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
     with tempfile.TemporaryDirectory(prefix="signed-secagg-") as tmp:
         rows = bench(args.silos, args.repeat, Path(tmp))

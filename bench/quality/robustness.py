@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.processor import cpus, machine  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
 from silo_core.files import write_json_atomic  # noqa: E402
 from silo_core.partition import split_labeled_per_class  # noqa: E402
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in saved["cells"] if saved["settings"].get("setting") == setting]
     seconds = float(saved["settings"].get("seconds", 0.0)) if cells else 0.0
     settings = {"setting": setting, "command": "python " + shlex.join(["bench/quality/robustness.py", *(argv or
-                sys.argv[1:])]), "machine": f"{os.cpu_count()} CPU cores, {args.threads} threads",
+                sys.argv[1:])]), "machine": f"{cpus(machine())}, {args.threads} threads",
                 "seconds": seconds}
     if args.replot:
         print(write_outputs(args.out, cells, {**saved["settings"], **{"seconds": seconds}}))

@@ -27,7 +27,6 @@ import copy
 import fcntl
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from pydantic import ValidationError  # noqa: E402
 
-from bench.processor import cpu_name  # noqa: E402
+from bench.processor import cpus, machine, processor  # noqa: E402
 from silo_core.algorithms import ALGORITHMS, get_algorithm  # noqa: E402
 from silo_core.algorithms.base import HubData, SiloData  # noqa: E402
 from silo_core.data import load_torchvision  # noqa: E402
@@ -337,18 +336,6 @@ def wire_check_line(check: dict[str, Any]) -> str:
             f"in any round {100 * check['max_abs_difference']:.2f} points.\n")
 
 
-def machine() -> dict[str, Any]:
-    # The CPU and the vector instructions torch picked its kernels for are recorded because a cell's figures
-    # depend on them: the same command with the same torch and threads ends a few tenths to a point apart on
-    # another processor (bench/README.md).
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cuda": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def model_name(cell: dict[str, Any]) -> str:
     """"small_cnn", "small_cnn width 32, 131,178 parameters": what a cell trained (older cells lack the count)."""
     options = " ".join(f"{k} {v}" for k, v in sorted(cell.get("model_options", {}).items()))
@@ -368,10 +355,6 @@ def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
         ran, today = saved_options(cell) or cell.get("options", {}), cell_options(cell["method"], profile)
         changes.setdefault(cell["method"], set()).update(f"{k} {v}" for k, v in ran.items() if today.get(k) != v)
     return "; ".join(f"{m} {', '.join(sorted(c))}" for m, c in changes.items() if c)
-
-
-def processor(machine_info: dict[str, Any]) -> str:
-    return f"{machine_info['cpu']}, {machine_info['cpu_capability']}"
 
 
 def processors_line(cells: list[dict[str, Any]]) -> str:
@@ -394,8 +377,7 @@ def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info:
              + (f" run for {', '.join(map(str, ran))} rounds (--rounds; the profile's own: {own}; its note "
                 "does not apply, see bench/README.md)" if other else "") + ", mean ± std over seeds (n = seeds).",
              *([PROFILE_NOTES[profile_name]] if profile_name in PROFILE_NOTES and not other else []),
-             f"Machine: {machine_info['platform']}, {machine_info['cpu_count']} CPUs"
-             + (f" ({processor(machine_info)})" if "cpu" in machine_info else "")
+             f"Machine: {machine_info['platform']}, {cpus(machine_info)}"
              + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
              *([line] if (line := processors_line(cells)) else []),
              f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.",

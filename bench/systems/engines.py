@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 RESULTS = ROOT / "bench" / "systems" / "results"
 
 
@@ -131,7 +133,7 @@ def markdown(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [f"# silo-sim engines: worker processes against Ray actors ({s['silos']} silos, {s['per_round']} per round, "
              f"{s['rounds']} rounds, small_cnn)", "",
-             f"Machine: {result['machine']['cores']} CPU cores, {result['machine']['platform']}, Ray "
+             f"Machine: {cpus(result['machine'])}, {result['machine']['platform']}, Ray "
              f"{result['machine']['ray']}. Command: `{' '.join(['python bench/systems/engines.py', s['argv']]).strip()}`. "
              "One run of each engine, one after the other.", "",
              "| engine | silo hosts | round time (s), rounds 1..n | federated run | silo hosts PSS (RSS) | Ray's own "
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": {"silos": args.silos, "per_round": args.per_round, "rounds": args.rounds,
                            "unlabeled": args.unlabeled, "workers": args.workers,
                            "argv": " ".join(argv if argv is not None else sys.argv[1:])},
-              "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "ray": ray.__version__},
+              "machine": {**machine(), "ray": ray.__version__},
               "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engines.json").write_text(json.dumps(result, indent=2))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -25,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 RESULTS = ROOT / "bench" / "systems" / "results"
 RECEIVED = re.compile(r"not sampled; received the model and used it in ([0-9.]+)s")
 TRAINED = re.compile(r"(?:update sent|skipped \(nothing passed the threshold\)) in ([0-9.]+)s")
@@ -103,7 +106,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="off/on pairs, alternating (default 2)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    machine = f"{os.cpu_count()} CPU cores, {platform.platform()}"
+    info = machine()
     with tempfile.TemporaryDirectory(prefix="fedseal-every-round-") as scratch:
         runs = []
         for _ in range(args.repeats):
@@ -111,9 +114,9 @@ def main() -> int:
                 runs.append(one_run(every_round, args, Path(scratch), len(runs)))
                 print(f"ensemble_every_round={every_round}: {runs[-1]['wall_seconds']:.0f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fedseal_every_round.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=2))
-    (args.out / "fedseal_every_round.md").write_text(markdown(runs, machine))
-    print(markdown(runs, machine))
+    (args.out / "fedseal_every_round.json").write_text(json.dumps({"machine": info, "runs": runs}, indent=2))
+    (args.out / "fedseal_every_round.md").write_text(markdown(runs, f"{cpus(info)}, {info['platform']}"))
+    print(markdown(runs, f"{cpus(info)}, {info['platform']}"))
     return 0
 
 

@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 RESULTS = ROOT / "bench" / "systems" / "results"
 FLOOD_S, THREADS, DEADLINE_S = 10.0, 4, 60.0
 TINY = {"hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 8, "hub_batch_size": 8, "tau": 0.0}
@@ -171,7 +173,7 @@ def main() -> int:
     p.add_argument("--before", type=Path, required=True, help="a worktree of the code before the limits")
     args = p.parse_args()
     out = {"command": f"python bench/systems/flood.py --before {args.before}",
-           "date": dt.datetime.now(dt.UTC).isoformat(), "platform": platform.platform(), "cpus": os.cpu_count(),
+           "date": dt.datetime.now(dt.UTC).isoformat(), "machine": machine(),
            "before_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.before,
                                            capture_output=True, text=True).stdout.strip(),
            "after_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -184,7 +186,8 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "flood.json").write_text(json.dumps(out, indent=2))
     b, a = out["runs"]["before"], out["runs"]["after"]
-    lines = [f"Command: `{out['command']}` ({out['date'][:19]}, {out['platform']}, {out['cpus']} CPUs; before = "
+    on = f"{out['machine']['platform']}, {cpus(out['machine'])}"
+    lines = [f"Command: `{out['command']}` ({out['date'][:19]}, {on}; before = "
              f"{out['before_commit']}, after = {out['after_commit']}).", "",
              "| | before | after |", "|---|---|---|",
              f"| flood: NextTask calls a second (wrong run id, {THREADS} threads, {FLOOD_S:.0f} s) | "

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -69,6 +68,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 RESULTS = ROOT / "bench" / "systems" / "results"
 DEFAULT_FLOWER_PYTHON = "/tmp/flwr-venv/bin/python"
 BATCH_SIZE, LR = 32, 0.03
@@ -437,7 +439,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{s['per_round']} clients sampled per round, {s['rounds']} rounds, small_cnn, {s['local_steps']} local "
              f"SGD steps of {BATCH_SIZE} images, real Fashion-MNIST (IID shards of the 60,000 training images), "
              f"{10 * s['test_per_class']} test images scored each round; {s['slots']} clients train at once on each "
-             f"engine. Machine: {m['cores']} CPU cores, {m['platform']}, Python {m['python']}, torch {m['torch']}, "
+             f"engine. Machine: {cpus(m)}, {m['platform']}, Python {m['python']}, torch {m['torch']}, "
              f"Flower {m.get('flwr', '?')} with Ray {m.get('flower_ray', '?')}. Command: `{s['command']}`.", "",
              "Steady state: the mean over rounds 2..R (round 1 alone when R = 1). Overhead: round time minus the "
              "sampled clients' summed training time divided by the clients training at once. Launch to round 1: "
@@ -531,10 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--silos must each be at least --per-round, and --per-round, --rounds and --local-steps at least 1")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    import torch
 
-    machine = {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "torch": torch.__version__}
+    machine_info = machine()
     command = " ".join([".venv/bin/python bench/systems/flower_side_by_side.py"] + (argv if argv is not None
                                                                                       else sys.argv[1:]))
     runs: list[dict[str, Any]] = []
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                            "local_steps": args.local_steps, "labels_per_class": args.labels_per_class,
                            "test_per_class": args.test_per_class, "slots": args.slots, "repeat": args.repeat,
                            "command": command},
-              "machine": machine, "runs": runs}
+              "machine": machine_info, "runs": runs}
 
     def save() -> None:  # after every run, so a long comparison that fails later keeps what it measured
         args.out.mkdir(parents=True, exist_ok=True)
@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = (run_silokit if engine == "silokit" else run_flower)(args, silos, workdir)
                 run["cores_busy_before"] = busy
                 if engine == "flower":
-                    machine.update(flwr=run["versions"]["flwr"], flower_ray=run["versions"]["ray"])
+                    machine_info.update(flwr=run["versions"]["flwr"], flower_ray=run["versions"]["ray"])
                 runs.append(run)
                 save()
                 print(f"{silos} silos, {engine}: round 1 after {run['launch_to_round1_seconds']:.1f} s, overhead "

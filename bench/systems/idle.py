@@ -15,7 +15,6 @@ import argparse
 import heapq
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench.processor import machine  # noqa: E402
 from security import pki, tls  # noqa: E402
 from security.crl import RevocationList  # noqa: E402
 from security.gate import PeerGate  # noqa: E402
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['silos']} | {r['long_poll_s']:g} | {r['calls_per_s']:.1f} | {r['calls_per_silo_per_s']:.4f} | "
               f"{r['hub_cpu_per_s']:.3f} | {r['errors']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                "torch": torch.__version__},
+    args.out.write_text(json.dumps({"machine": machine(),
                                     "command": "python bench/systems/idle.py " + " ".join(argv or sys.argv[1:]),
                                     "rows": rows}, indent=2) + "\n")
     return 0

@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import platform
 import subprocess
 import sys
 import threading
@@ -43,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.processor import cpus, machine  # noqa: E402
+
 # numpy, torch, Pillow and silokit are imported inside the functions: loader workers import the main module again
 # (they start from a fork server), and a heavy top level here would be paid by every worker of every epoch.
 
@@ -227,7 +228,7 @@ def throughput(folder: Path, size: int, channels: int, model_images: int) -> lis
 
 def markdown(results: dict) -> str:
     lines = ["# Image loader: memory and throughput (`bench/systems/loader.py`)", "",
-             f"Machine: {results['machine']['platform']}, {results['machine']['cpu_count']} CPU cores, no GPU; "
+             f"Machine: {results['machine']['platform']}, {cpus(results['machine'])}, no GPU; "
              f"{results['machine']['note']}", "",
              "## Peak memory of a silo's data path, 224 px RGB JPEGs", "",
              "| images | --cache-mb | held | peak RSS (silo process) | peak PSS (silo + loader workers) | load | "
@@ -265,10 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         silo_child(args.silo_child, DEFAULT_CACHE_MB if args.cache_mb is None else args.cache_mb, args.workers)
         return 0
 
-    import torch
 
-    results = {"machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                           "cuda": torch.cuda.is_available(), "note": args.note},
+    results = {"machine": {**machine(), "note": args.note},
                "memory": [], "throughput": []}
     big = max(args.sizes)
     folder224 = write_images(args.workdir / f"jpeg224-{big}", big, 224, args.fashion_mnist)

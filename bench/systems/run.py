@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.processor import cpus, machine  # noqa: E402
 from silo_core.models import ModelSpec, count_parameters  # noqa: E402
 from silo_core.rounds import RoundRecord, records_from_json  # noqa: E402
 from silo_core.tensors import assemble, decode, encode, iter_chunks, sha256_hex  # noqa: E402
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    results["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                          "cuda": torch.cuda.is_available()}
+    results["machine"] = machine()
     for name in chosen:
         print(f"running {name} ...", flush=True)
         measure = {"codec": bench_codec, "bytes": bench_bytes, "memory": bench_memory,
@@ -203,7 +201,7 @@ def overhead_cells(o: dict[str, Any]) -> str:
 
 def report(r: dict[str, Any]) -> str:
     m = r.get("machine", {})
-    lines = [f"Machine: {m.get('platform')}, {m.get('cpu_count')} CPUs, CUDA: {m.get('cuda')}.", ""]
+    lines = [f"Machine: {m.get('platform')}, {cpus(m)}, CUDA: {m.get('cuda')}.", ""]
     if "codec" in r:
         lines += ["## Codec throughput (encode + chunk + sha256 + reassemble + decode)", "",
                   "| model | parameters | wire dtype | payload | time | MB/s of payload |", "|---|---|---|---|---|---|"]
