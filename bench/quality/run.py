@@ -358,12 +358,17 @@ def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
 
 
 def processors_line(cells: list[dict[str, Any]]) -> str:
-    """A line naming each processor the cells ran on, when they ran on more than one; "" otherwise."""
+    """A line naming each processor the cells ran on, when they ran on more than one or some cells predate the
+    record (the machine line names only this run's processor); "" otherwise."""
     counts = Counter(processor(c["machine"]) if "cpu" in c.get("machine", {}) else "not recorded" for c in cells)
-    if len([name for name in counts if name != "not recorded"]) < 2:
-        return ""
-    return ("The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): "
-            + "; ".join(f"{name}, {n} cell{'s' if n > 1 else ''}" for name, n in counts.items()) + ".")
+    recorded = [name for name in counts if name != "not recorded"]
+    listed = "; ".join(f"{name}, {n} cell{'s' if n > 1 else ''}" for name, n in counts.items()) + "."
+    if len(recorded) >= 2:
+        return "The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): " + listed
+    if recorded and "not recorded" in counts:
+        return ("Some cells ran before the runner recorded the processor, perhaps on another one, and a cell's "
+                "figures move with it (bench/README.md): " + listed)
+    return ""
 
 
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:

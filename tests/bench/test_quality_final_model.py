@@ -92,6 +92,11 @@ def test_the_table_names_each_processor_its_cells_ran_on():
     assert "2 CPUs (AMD EPYC, AVX2), no GPU." in header
     assert ("more than one processor, and a cell's figures move with it (bench/README.md): AMD EPYC, AVX2, 2 cells; "
             "Intel Xeon, AVX512, 1 cell; not recorded, 1 cell.") in header
-    # One recorded processor beside cells from before it was recorded: nothing says they differ.
+    # One recorded processor beside cells from before it was recorded: they may differ, and the line says so.
     header = quality.markdown_table([cells[0], cells[3]], "full", zen).split("| method |")[0]
     assert "more than one processor" not in header
+    assert ("Some cells ran before the runner recorded the processor, perhaps on another one, and a cell's figures "
+            "move with it (bench/README.md): AMD EPYC, AVX2, 1 cell; not recorded, 1 cell.") in header
+    # Every cell on one recorded processor: the machine line says it all.
+    header = quality.markdown_table(cells[:2], "full", zen).split("| method |")[0]
+    assert "more than one processor" not in header and "before the runner recorded" not in header
