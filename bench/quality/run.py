@@ -364,7 +364,8 @@ def processors_line(cells: list[dict[str, Any]]) -> str:
     recorded = [name for name in counts if name != "not recorded"]
     listed = "; ".join(f"{name}, {n} cell{'s' if n > 1 else ''}" for name, n in counts.items()) + "."
     if len(recorded) >= 2:
-        return "The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): " + listed
+        return ("The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): "
+                + listed)
     if recorded and "not recorded" in counts:
         return ("Some cells ran before the runner recorded the processor, perhaps on another one, and a cell's "
                 "figures move with it (bench/README.md): " + listed)
