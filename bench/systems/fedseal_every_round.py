@@ -115,8 +115,9 @@ def main() -> int:
                 print(f"ensemble_every_round={every_round}: {runs[-1]['wall_seconds']:.0f} s", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fedseal_every_round.json").write_text(json.dumps({"machine": info, "runs": runs}, indent=2))
-    (args.out / "fedseal_every_round.md").write_text(markdown(runs, f"{cpus(info)}, {info['platform']}"))
-    print(markdown(runs, f"{cpus(info)}, {info['platform']}"))
+    report = markdown(runs, f"{cpus(info)}, {info['platform']}")
+    (args.out / "fedseal_every_round.md").write_text(report)
+    print(report)
     return 0
 
 

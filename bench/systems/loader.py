@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         silo_child(args.silo_child, DEFAULT_CACHE_MB if args.cache_mb is None else args.cache_mb, args.workers)
         return 0
 
-
     results = {"machine": {**machine(), "note": args.note},
                "memory": [], "throughput": []}
     big = max(args.sizes)
