@@ -46,13 +46,38 @@ def read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
 
 def hub_port(staged) -> int:
     """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
-    hub.yaml's server.port, or (0, the sim's default) a free one picked here and handed to silo-server --port."""
+    hub.yaml's server.port, or (0, the sim's default) a free one picked here, below the ephemeral range, and handed
+    to silo-server --port."""
     server = yaml.safe_load(staged.hub_config.read_text()).get("server") or {}
     if int(server.get("port", 0)):
         return int(server["port"])
+    return free_port_outside_ephemeral_range(server.get("host", "127.0.0.1"))
+
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_PICKED_PORT = 10_000  # above the well-known and most registered service ports
+
+
+def free_port_outside_ephemeral_range(host: str, attempts: int = 64) -> int:
+    """A port free now and below the system's ephemeral range. The hub binds it seconds later, after its imports;
+    a port the system handed out for port 0 could meanwhile go to any other process binding port 0 or dialling
+    out, while one below the range is only taken by a process that names it. Falls back to the system's pick
+    where the range is unknown or leaves no room below it."""
+    import random
     import socket
 
-    with socket.create_server((server.get("host", "127.0.0.1"), 0)) as probe:
+    try:
+        first_ephemeral = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = FIRST_PICKED_PORT
+    for port in random.sample(range(FIRST_PICKED_PORT, first_ephemeral),
+                              min(attempts, max(0, first_ephemeral - FIRST_PICKED_PORT))):
+        try:
+            with socket.create_server((host, port)):
+                return port
+        except OSError:
+            continue
+    with socket.create_server((host, 0)) as probe:
         return probe.getsockname()[1]
 
 
