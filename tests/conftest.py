@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,9 +10,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a server a test starts as a process: picked as silo-sim picks the hub's, below the ephemeral
+    range, so that no port 0 bind or outgoing connection takes it before the process binds it."""
+    from silo_sim.federation import free_port_outside_ephemeral_range
+
+    return free_port_outside_ephemeral_range("127.0.0.1")
 
 
 class Processes:

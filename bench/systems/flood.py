@@ -73,11 +73,10 @@ def stage(folder: Path, port: int, silos: int, total: int, min_silos: int):
 
 
 def free_port() -> int:
-    import socket
+    """Picked as silo-sim picks the hub's port: below the ephemeral range, so nothing takes it before the hub binds."""
+    from silo_sim.federation import free_port_outside_ephemeral_range
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_outside_ephemeral_range("127.0.0.1")
 
 
 def flood(tree: Path, folder: Path) -> dict:

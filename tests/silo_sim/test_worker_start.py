@@ -8,16 +8,11 @@ import threading
 import time
 
 from silo_sim.worker import wait_for_listener
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port
 
 
 def test_the_wait_ends_when_the_port_starts_listening_not_before():
-    port = _free_port()
+    port = free_port()
     listening, stop = threading.Event(), threading.Event()
     waiter = threading.Thread(target=wait_for_listener, args=(f"127.0.0.1:{port}", listening, stop, 30.0))
     waiter.start()
@@ -34,11 +29,11 @@ def test_the_wait_ends_when_the_port_starts_listening_not_before():
 def test_past_the_timeout_or_on_stop_the_silos_are_let_go_to_report_what_they_find():
     listening, stop = threading.Event(), threading.Event()
     started = time.monotonic()
-    wait_for_listener(f"127.0.0.1:{_free_port()}", listening, stop, 0.5)
+    wait_for_listener(f"127.0.0.1:{free_port()}", listening, stop, 0.5)
     assert listening.is_set() and time.monotonic() - started < 5.0
     listening, stop = threading.Event(), threading.Event()
     stop.set()
-    wait_for_listener(f"127.0.0.1:{_free_port()}", listening, stop, 60.0)
+    wait_for_listener(f"127.0.0.1:{free_port()}", listening, stop, 60.0)
     assert listening.is_set()
 
 
