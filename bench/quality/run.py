@@ -153,17 +153,17 @@ DEFAULT_JOBS = {"medium": 2}
 # (SemiFL +1.9 over server-only by round 10 of 100).
 PROFILE_NOTES: dict[str, str] = {
     "medium": "**This profile ranks methods on IID and on 2 classes per silo** (measured against the full "
-              "profile on today's code, bench/README.md): its order is the full profile's on both, except "
-              "HASSLE against server-only with 2 classes per silo, a tie in both (0.4 above here, 0.3 below in "
-              "the full profile, three seeds each). Over three seeds every lift over server-only is within a "
-              "point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE "
-              "+0.6 against +0.1; 2 classes per silo, where the full profile has three seeds for server-only and "
-              "HASSLE alone: SemiFL +1.7 against +1.3, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 "
-              "against +2.3, FedAvg+FixMatch -5.9 against -5.5) but FedAvg+FixMatch's on IID (-21.9 against "
-              "-15.1), whose cells spread over 20 points between seeds in both profiles. The supervised ceiling "
-              "is above server-only on both (+10.1 and +3.1 here). One seed's lift is good to about a "
-              "point (HASSLE's spread from -0.9 to +1.4 here); the profile runs seed 0, `--seeds 0 1 2` all "
-              "three (about 2.5 hours).",
+              "profile's three seeds on today's code, bench/README.md): its order is the full profile's on both, "
+              "except HASSLE against server-only with 2 classes per silo, a tie in both (0.4 above here, 0.3 "
+              "below in the full profile). Over three seeds every lift over server-only is within a point of the "
+              "full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE +0.6 against "
+              "+0.1, the supervised ceiling +10.1 against +10.6; 2 classes per silo: SemiFL +1.7 against +1.4, "
+              "FedSEAL +0.7 against +0.8, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 against +3.2) "
+              "but FedAvg+FixMatch's (IID -21.9 against -15.1, 2 classes per silo -5.9 against -3.9), whose "
+              "collapse ends where luck puts it: its cells spread over 20 points between seeds on IID in both "
+              "profiles; it ranks last in both. The supervised ceiling is above server-only on both (+10.1 and "
+              "+3.1 here). One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); "
+              "the profile runs seed 0, `--seeds 0 1 2` all three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
             "harness runs end to end.",
     "quick": "**This profile does not rank methods**: it shows that every method and partition runs end to "
