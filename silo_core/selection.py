@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from silo_core.rounds import RoundRecord
+from silo_core.rounds import RoundRecord, Scores
 
 
 @dataclass
@@ -35,9 +35,13 @@ class BestRound:
         return True
 
     @classmethod
-    def from_history(cls, history: Iterable[RoundRecord]) -> BestRound:
-        """The best round among the rounds scored on the validation split."""
+    def from_history(cls, history: Iterable[RoundRecord], initial: Scores | None = None) -> BestRound:
+        """The best round among the rounds scored on the validation split, the initial model (round 0) included
+        when its scores are given: the same record the hub keeps, so the metrics and silo-sim's table name the
+        model that best_model.safetensors holds."""
         best = cls()
+        if initial is not None and initial.validation_accuracy is not None:
+            best.offer(0, initial.validation_accuracy)
         for record in history:
             if record.scores.validation_accuracy is not None:
                 best.offer(record.round, record.scores.validation_accuracy)

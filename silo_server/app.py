@@ -51,7 +51,7 @@ from silo_core.models import (
     read_weights,
 )
 from silo_core.partition import split_labeled_per_class
-from silo_core.rounds import Scores
+from silo_core.rounds import RoundRecord, Scores
 from silo_core.selection import BestRound
 from silo_core.tensors import sha256_hex
 from silo_core.training import evaluate, resolve_device
@@ -453,18 +453,33 @@ class HubApp:
         }
         write_json_atomic(out / "model_card.json", card)
         if self.validation is not None:
-            log.info("best round on the validation split: %d (%.2f%%), in %s", self.best.round,
-                     100 * self.best.accuracy, out / BEST_MODEL)
+            self.log_best_round(out / BEST_MODEL)
         log.info("final model written to %s (card: %s)", weights, out / "model_card.json")
         return weights
+
+    def log_best_round(self, path: Path) -> None:
+        if not self.best.found:
+            return
+        if self.best.round == 0 and self.hub.records.history:
+            # The silos' rounds made the model worse on the hub's own labeled split: the operator should hear it
+            # before deploying either file, not find it in the card.
+            log.warning("best round on the validation split: 0 (%.2f%%), the initial model: no round beat the hub's "
+                        "labels alone, so %s holds it and model.safetensors (the last round) scored lower; look at "
+                        "the rounds' validation accuracy and pseudo-label pass rate in history.json before "
+                        "deploying either", 100 * self.best.accuracy, path)
+        else:  # round 0 without rounds: a run of zero rounds keeps its initial model
+            log.info("best round on the validation split: %d (%.2f%%), in %s", self.best.round,
+                     100 * self.best.accuracy, path)
 
     def best_round_card(self) -> dict[str, Any] | None:
         """The model card's account of best_model.safetensors; None without a validation split."""
         path = Path(self.config.run.state_dir) / BEST_MODEL
         if self.validation is None or not self.best.found or not path.is_file():
             return None
-        # The round's test scores, unless a hub crash made it keep a model that the redone round did not beat.
-        scores = next((h.scores for h in self.hub.records.history if h.round == self.best.round
+        # The round's test scores (round 0: the initial model's), unless a hub crash made it keep a model that the
+        # redone round did not beat.
+        scored = [RoundRecord(round=0, scores=self.hub.records.initial), *self.hub.records.history]
+        scores = next((h.scores for h in scored if h.round == self.best.round
                        and h.scores.validation_accuracy == self.best.accuracy), Scores())
         return {
             "round": self.best.round,

@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         last = app.hub.records.history[-1].scores if app.hub.records.history else Scores()
         print(f"run finished after {state.round} rounds; test accuracy {nan_if_none(last.test_accuracy):.4f}; "
               f"model in {config.run.state_dir}/model.safetensors")
-        if app.best.round:
-            print(f"best round on the validation split: {app.best.round} ({app.best.accuracy:.4f}); "
+        if app.best.found:
+            which = "" if app.best.round else ", the initial model: no round beat the hub's labels alone"
+            print(f"best round on the validation split: {app.best.round} ({app.best.accuracy:.4f}){which}; "
                   f"its model in {config.run.state_dir}/{BEST_MODEL}")
         return 0
     except KeyboardInterrupt:

@@ -309,13 +309,14 @@ class _HubStateCollector(Collector):
                      "hub's labels alone before round 1, where the silos start from (0..1).",
                      nan_if_none(hub.records.initial.test_accuracy))
         validated = [h.scores.validation_accuracy for h in history if h.scores.validation_accuracy is not None]
-        best = BestRound.from_history(history)
+        best = BestRound.from_history(history, hub.records.initial)
         yield _gauge("silokit_hub_validation_accuracy_ratio", "Accuracy on the hub's validation split after the last "
                      "completed round (0..1).", validated[-1] if validated else NAN)
-        yield _gauge("silokit_hub_best_round", "The round whose model scored best on the validation split so far "
-                     "(kept as best_model.safetensors; 0: none yet).", best.round)
+        yield _gauge("silokit_hub_best_round", "The round whose model scored best on the validation split so far, "
+                     "kept as best_model.safetensors (0: the initial model, trained on the hub's labels alone, or "
+                     "none yet while the accuracy below is NaN).", best.round)
         yield _gauge("silokit_hub_best_validation_accuracy_ratio", "That round's validation accuracy (0..1).",
-                     best.accuracy if best.round else NAN)
+                     best.accuracy if best.found else NAN)
         yield _gauge("silokit_hub_pseudo_label_ratio", "Share of the silos' unlabeled images whose pseudo-label "
                      "passed the threshold in the last round.", nan_if_none(last.pseudo_label_ratio))
         yield _gauge("silokit_hub_pseudo_label_accuracy_ratio", "Share of the passing pseudo-labels that were right "

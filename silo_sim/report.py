@@ -54,24 +54,28 @@ def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, a
                   initial: Scores | None = None) -> Table:
     table = Table(title=f"silo-sim: {algorithm}")
     table.add_column("round", justify="right", no_wrap=True, min_width=11)
-    best = BestRound.from_history(history)
-    if best.round:  # the hub kept this round as best_model.safetensors
+    best = BestRound.from_history(history, initial)  # the round the hub kept as best_model.safetensors
+    if best.found and best.round:
         table.caption = f"* best round on the hub's validation split: {best.round} (kept as best_model.safetensors)"
+    elif best.found:
+        table.caption = ("* best on the hub's validation split: the initial model (no round beat the hub's labels "
+                         "alone; best_model.safetensors holds it)")
     private = any(h.dp is not None for h in history)  # the privacy spent, beside what it cost in accuracy
     # Silos left out of the sample that were handed the round's model (FedSEAL's ensemble_every_round)
     broadcast = any(h.silos_received for h in history)
-    for col in ("test acc", *(("val acc",) if best.round else ()), "PL ratio", "PL acc", "silos",
+    for col in ("test acc", *(("val acc",) if best.found else ()), "PL ratio", "PL acc", "silos",
                 *(("received",) if broadcast else ()), "round time", "bytes up", "bytes down",
                 *(("epsilon",) if private else ())):
         table.add_column(col, justify="right", no_wrap=True)
     if initial is not None and initial != Scores():  # the hub's model before any silo took part
         table.add_row("0 (initial)", f"{nan_if_none(initial.test_accuracy):.4f}",
-                      *((f"{nan_if_none(initial.validation_accuracy):.4f} ",) if best.round else ()),
+                      *((f"{nan_if_none(initial.validation_accuracy):.4f}{'*' if best.round == 0 else ' '}",)
+                        if best.found else ()),
                       "-", "-", "-", *(("-",) if broadcast else ()), "-", "-", "-",
                       *(("-",) if private else ()), style="dim")
     for h in history:
         validation = ((f"{nan_if_none(h.scores.validation_accuracy):.4f}{'*' if h.round == best.round else ' '}",)
-                      if best.round else ())
+                      if best.found else ())
         table.add_row(
             str(h.round), f"{nan_if_none(h.scores.test_accuracy):.4f}", *validation,
             f"{h.pseudo_label_ratio:.3f}" if h.pseudo_label_ratio is not None else "-",

@@ -204,7 +204,8 @@ def load_best_round(state_dir: Path, run_id: str) -> BestRound:
             return BestRound()
         best = BestRound(round=int(meta["round"]), accuracy=float(meta["validation_accuracy"]))
         # The whole file, not just its header: a truncated or NaN model must not be named in the model card.
-        if best.round < 1 or not 0.0 <= best.accuracy <= 1.0:
+        # Round 0 is the initial model: the hub keeps it when no round beats the hub's labels alone.
+        if best.round < 0 or not 0.0 <= best.accuracy <= 1.0:
             raise ValueError(f"round {best.round} and accuracy {best.accuracy} are out of range")
         bad = [k for k, v in load_file(str(path)).items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:

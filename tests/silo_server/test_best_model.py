@@ -30,3 +30,13 @@ def test_another_runs_or_an_unreadable_best_model_file_is_not_trusted(tmp_path):
     empty = load_best_round(tmp_path, "run-a")
     assert empty.round == 0 and empty.accuracy == -math.inf  # the next validated round replaces the file
     assert load_best_round(tmp_path / "nowhere", "run-a").round == 0
+
+
+def test_a_restarted_hub_keeps_the_initial_model_when_no_round_has_beaten_it(tmp_path):
+    # Round 0 is the initial model, the hub's labels alone; a hub restarted before any round beat it must not
+    # let the next, worse round replace it.
+    model = ModelSpec("small_cnn", options={"width": 4}).build()
+    save_best_model(tmp_path, model, "run-a", BestRound(round=0, accuracy=0.8))
+    restored = load_best_round(tmp_path, "run-a")
+    assert (restored.round, restored.accuracy, restored.found) == (0, 0.8, True)
+    assert not restored.offer(3, 0.75) and restored.offer(4, 0.81)

@@ -3,24 +3,48 @@ since best_model.safetensors then holds it and silo-predict / silo-export trust 
 
 from __future__ import annotations
 
+import logging
+
+from silo_core.rounds import RoundRecord, Scores
 from silo_core.selection import BestRound
 from silo_server.app import HubApp
 from silo_server.config import parse_config
 from silo_server.state.checkpoint import save_best_model
 
+CONFIG = {
+    "run": {"state_dir": "state", "device": "cpu"},
+    "server": {"host": "127.0.0.1", "port": 0},
+    "data": {"labeled": {"kind": "demo", "labels_per_class": 2},
+             "validation": {"kind": "demo", "split": "test", "labels_per_class": 2}},
+}
+
 
 def test_round_zero_as_best_is_named_in_the_card(tmp_path) -> None:
-    config = parse_config({
-        "run": {"state_dir": "state", "device": "cpu"},
-        "server": {"host": "127.0.0.1", "port": 0},
-        "data": {"labeled": {"kind": "demo", "labels_per_class": 2},
-                 "validation": {"kind": "demo", "split": "test", "labels_per_class": 2}},
-    }, base=tmp_path)
-    app = HubApp(config, insecure_dev_only=True)
+    app = HubApp(parse_config(CONFIG, base=tmp_path), insecure_dev_only=True)
     assert app.best_round_card() is None  # nothing scored yet
     app.best = BestRound()
     assert app.best.offer(0, 0.25) and app.best.found
     save_best_model(tmp_path / "state", app.spec.build(), app.hub.run_id, app.best)
+    app.hub.records.initial = Scores(test_accuracy=0.31, validation_accuracy=0.25)
     card = app.best_round_card()
     assert card is not None and (card["round"], card["validation_accuracy"]) == (0, 0.25)
     assert card["weights_file"] == "best_model.safetensors"
+    assert card["metrics"] == {"test_accuracy": 0.31}  # the initial model's own test score
+
+
+def test_the_hub_warns_when_no_round_beat_the_initial_model(tmp_path, caplog) -> None:
+    app = HubApp(parse_config(CONFIG, base=tmp_path), insecure_dev_only=True)
+    app.best = BestRound()
+    app.best.offer(0, 0.80)
+    app.hub.records.history.append(RoundRecord(round=1, scores=Scores(validation_accuracy=0.70)))
+    with caplog.at_level(logging.INFO, logger="silo_server"):
+        app.log_best_round(tmp_path / "best_model.safetensors")
+    [record] = [r for r in caplog.records if "best_model.safetensors" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "no round beat the hub's labels alone" in record.getMessage()
+    assert "best round on the validation split: 0 (80.00%), the initial model" in record.getMessage()
+    caplog.clear()
+    app.best.offer(2, 0.82)
+    with caplog.at_level(logging.INFO, logger="silo_server"):
+        app.log_best_round(tmp_path / "best_model.safetensors")
+    [record] = [r for r in caplog.records if "best_model.safetensors" in r.getMessage()]
+    assert record.levelno == logging.INFO and "best round on the validation split: 2 (82.00%)" in record.getMessage()

@@ -188,6 +188,21 @@ def test_validation_rounds_feed_the_best_round_gauges(tmp_path):
     assert s[("silokit_hub_best_validation_accuracy_ratio", ())] == pytest.approx(0.78)
 
 
+def test_the_best_round_gauge_names_the_initial_model_when_no_round_beat_it(tmp_path):
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    hub.records.initial = Scores(validation_accuracy=0.80)  # the hub's labels alone, scored before round 1
+    for r, acc in ((1, 0.70), (2, 0.79)):
+        hub.records.history.append(RoundRecord(round=r, scores=Scores(validation_accuracy=acc)))
+    s = samples(m)
+    assert s[("silokit_hub_best_round", ())] == 0  # as best_model.safetensors: the initial model
+    assert s[("silokit_hub_best_validation_accuracy_ratio", ())] == pytest.approx(0.80)
+    hub.records.history.append(RoundRecord(round=3, scores=Scores(validation_accuracy=0.83)))
+    s = samples(m)
+    assert s[("silokit_hub_best_round", ())] == 3
+    assert s[("silokit_hub_best_validation_accuracy_ratio", ())] == pytest.approx(0.83)
+
+
 def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_path):
     hub = make_hub(tmp_path / "hub")
     m = HubMetrics(hub)

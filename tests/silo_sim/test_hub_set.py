@@ -47,6 +47,22 @@ def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
     assert "val acc" not in text and "epsilon" not in text  # no validation split, no DP: no such columns
 
 
+def test_the_summary_marks_the_initial_model_when_no_round_beat_it():
+    from rich.console import Console
+
+    from silo_sim.report import summary_table
+
+    initial = Scores(test_accuracy=0.65, validation_accuracy=0.80)  # the hub's labels alone
+    history = [RoundRecord(round=r, scores=Scores(test_accuracy=t, validation_accuracy=v))
+               for r, t, v in ((1, 0.61, 0.70), (2, 0.66, 0.79))]
+    console = Console(width=160, record=True)
+    console.print(summary_table(history, None, "fedavg_fixmatch", initial))
+    text = console.export_text()
+    assert "0.8000*" in text and "0.7900*" not in text  # the model best_model.safetensors holds: round 0's
+    assert "the initial model (no round beat the hub's labels alone" in text
+    assert "best round on the hub's validation split" not in text
+
+
 def test_the_summary_shows_the_privacy_spent_against_the_budget():
     from rich.console import Console
 
