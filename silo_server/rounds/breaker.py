@@ -69,6 +69,11 @@ class BreakerHunt:
         members = set(contributors)
         self.suspects -= members
         self.cleared |= members
+        if not self.suspects:
+            # Every suspect behaved in this sum: the search ends with no one found, and a later failure starts a
+            # new one (silos cleared here may break then, and silos that joined since are not the only suspects).
+            self.cleared = set()
+            return None
         if len(self.suspects) == 1:
             (breaker,) = self.suspects
             self.suspects, self.cleared = set(), set()

@@ -41,6 +41,16 @@ def test_without_spare_silos_no_cohort_can_leave_a_suspect_out():
     assert hunt.cohort(["a", "b", "c", "d", "e"], 4, random.Random(0)) is not None
 
 
+def test_a_search_that_every_suspect_passed_ends_and_a_later_failure_starts_afresh():
+    # No spare silos: the failed cohort of four is sampled again and passes (the breaker behaved once). A silo
+    # that connects afterwards must not become the only suspect of the next failure and be quarantined for it.
+    hunt = BreakerHunt()
+    assert hunt.failed(["a", "b", "c", "d"]) is None
+    assert hunt.passed(["a", "b", "c", "d"]) is None and not hunt.active
+    assert hunt.failed(["a", "b", "c", "d", "e"]) is None
+    assert hunt.suspects == {"a", "b", "c", "d", "e"}
+
+
 class CountWeightedBreaker(HostileSecAggSilo):
     pass
 
