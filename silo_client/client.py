@@ -448,8 +448,11 @@ class SiloClient:
                        for k, v in result.tensors.items()}
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
         secagg = bool(task.privacy.secagg_session)
-        epsilon = budget.charge(metrics, self.metrics) if (secagg or not result.skipped) else None
-        if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves
+
+        def charge() -> dict:  # the ledger's entry, written before anything derived from the update leaves
+            return budget.charge(metrics, self.metrics)
+
+        if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves, and when to charge
             policy = self.policy
             floor = SessionFloor(
                 min_cohort=max(self.pinned.secure_aggregation.min_cohort,
@@ -457,13 +460,13 @@ class SiloClient:
                 min_threshold=policy.secure_aggregation.min_threshold if policy else 0)
             sent = self.privacy.submit(self.silo_id, self.run.run_id, task, result, expected,
                                        noise_std=required_noise_std(policy, self.pinned, task.privacy), floor=floor,
-                                       epsilon=epsilon)
+                                       charge=charge)
         else:
             # Only the clear metrics the terms ask for leave (none under sample-level DP: DP-SGD covers only the
             # update); the Outbox keeps them all in when the policy says so.
             asked = clear_metrics_allowed(self.pinned, task.privacy if private else None)
             self.metrics.sent(self.outbox.upload(task, tensors, metrics_allowed(metrics, asked), result.skipped,
-                                                 epsilon))
+                                                 None if result.skipped else charge()))
             sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
         if sd.enabled and "sample_dp_epsilon" in metrics:
             spent = " (budget reached: no more training)" if metrics.get("sample_dp_budget_spent") else ""

@@ -40,7 +40,10 @@ class Pending:
     session: SiloSession
     tensors: dict[str, torch.Tensor]
     round: int
-    epsilon: dict | None  # the ledger's figures after this round, for the audit of every stage message
+    # Writes the round's ledger entry and returns its figures: called just before the masked input leaves, the
+    # first message derived from the update, so an attempt left or dropped before then charges nothing.
+    charge: Callable[[], dict | None]
+    epsilon: dict | None = None  # the ledger's figures once charged, for the audit of every later stage message
     answers: dict[str, bytes] = field(default_factory=dict)  # stage -> what we sent (resent if asked again)
 
 
@@ -66,8 +69,10 @@ class SiloPrivacy:
 
     def submit(self, silo_id: str, run_id: str, task: silo_pb2.Task, result: SiloResult,
                expected: dict[str, TensorSpec], *, noise_std: float = 0.0, floor: SessionFloor = SessionFloor(),
-               epsilon: dict | None = None) -> str:
-        """Apply the task's privacy to a local result and send what the protocol allows."""
+               charge: Callable[[], dict | None] = lambda: None) -> str:
+        """Apply the task's privacy to a local result and send what the protocol allows; `charge` writes the
+        round's ledger entry (and returns its figures for the audit) before the update or its masked input
+        leaves."""
         p = task.privacy
         secagg = bool(p.secagg_session)
         tensors = {} if result.skipped else dict(result.tensors)
@@ -83,15 +88,15 @@ class SiloPrivacy:
                      instructions.clip_norm, " (clipped)" if stats["clipped"] else "", instructions.noise_std)
             tensors = {n: t.to(torch.float32) if t.is_floating_point() else t for n, t in tensors.items()}
         if not secagg:
-            self.send_result(task, tensors, {}, result.skipped, epsilon)
+            self.send_result(task, tensors, {}, result.skipped, None if result.skipped else charge())
             return "update sent (clipped" + (", noised)" if noise_std or dp.noise_std else ")")
         session_id = p.secagg_session
         session = SiloSession(session_id, silo_id, identity=self.identity, verifier=self.verifier, run_id=run_id,
                               min_cohort=max(floor.min_cohort, p.min_contributors),
                               min_threshold=floor.min_threshold)
-        self.pending = {session_id: Pending(session, tensors, task.round, epsilon)}
+        self.pending = {session_id: Pending(session, tensors, task.round, charge)}
         payload = session.advertise_keys()
-        self.send_stage(task.task_id, task.round, "advertise_keys", payload, epsilon, None)
+        self.send_stage(task.task_id, task.round, "advertise_keys", payload, None, None)
         return "keys advertised for secure aggregation"
 
     def run_stage(self, task: silo_pb2.Task) -> None:
@@ -114,6 +119,7 @@ class SiloPrivacy:
                     log.warning("round %d: %d values outside the fixed-point range were clipped; widen "
                                 "privacy.secure_aggregation.quantization at the hub", p.round, p.session.clipped_values)
                 p.tensors = {}
+                p.epsilon = p.charge()  # in the ledger before the masked input leaves
             elif stage == "consistency":
                 answer = p.session.consistency(task.secagg_payload)
             elif stage == "unmask":

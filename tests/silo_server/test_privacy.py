@@ -60,6 +60,7 @@ class Silo(threading.Thread):
         self.hub, self.silo_id, self.value, self.die_at = hub, silo_id, value, die_at
         self.privacy = SiloPrivacy(send_result=self.send_result, send_stage=self.send_stage)
         self.refused: list[str] = []
+        self.sent: list[str] = []  # "charge" (the ledger's entry written) and each message kind, in order
         self.hold_at: str | None = None  # wait for `release` before answering this stage (a frozen silo)
         self.release = threading.Event()
         hub.join(silo_id, 10, 0, "cpu")
@@ -69,11 +70,13 @@ class Silo(threading.Thread):
         self.hub.upload(self.silo_id, header, iter_chunks(payload, 4096))
 
     def send_result(self, task, tensors, metrics, skipped, epsilon=None):
+        self.sent.append("upload")
         self.send({"task_id": task.task_id, "round": task.round, "skipped": skipped, "metrics": metrics},
                   encode(tensors) if tensors else b"")
         return 0
 
     def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
+        self.sent.append(stage)
         self.send({"task_id": task_id, "round": round_, "secagg_stage": stage}, payload)
 
     def run(self):
@@ -89,7 +92,8 @@ class Silo(threading.Thread):
                     return
                 if view.kind == "TRAIN":
                     result = SiloResult({"delta/x": torch.full((D,), self.value), "weight": torch.ones(1)})
-                    self.privacy.submit(self.silo_id, self.hub.run_id, task, result, view.expected)
+                    self.privacy.submit(self.silo_id, self.hub.run_id, task, result, view.expected,
+                                        charge=lambda: self.sent.append("charge"))
                 elif view.kind == "SECAGG":
                     if view.secagg_stage == self.die_at:
                         return  # killed mid-protocol: never heard from again
@@ -133,6 +137,12 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
     assert hub.records.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
+    # The ledger charges a silo just before its masked input leaves, the first message derived from its update:
+    # s3, gone before that, spent nothing.
+    for s in silos:
+        assert s.sent[:3] == ["advertise_keys", "share_keys", *(["charge"] if s.silo_id != "s3" else [])], s.sent
+        assert s.sent.count("charge") == (0 if s.silo_id == "s3" else 1)
+        assert s.silo_id == "s3" or s.sent.index("charge") == s.sent.index("masked_input") - 1
 
 
 class OversizedMaskedInput(Silo):
