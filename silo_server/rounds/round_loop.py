@@ -247,7 +247,6 @@ class RoundLoop:
         if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
             task.reported.add(silo_id)
             task.report_seconds.append(time.time() - task.started)
-            self.registry.credit(silo_id)
         task.bytes_up += total_bytes
         self.cond.notify_all()
 
@@ -264,8 +263,6 @@ class RoundLoop:
         task.report_seconds.append(time.time() - task.started)
         if skipped:
             task.skipped.add(silo_id)
-        else:
-            self.registry.credit(silo_id)
         task.bytes_up += total_bytes
         self.registry.count("received_bytes", total_bytes)
         self.registry.count("accepted_skips" if skipped else "accepted_updates")
@@ -536,7 +533,10 @@ class RoundLoop:
             with self.cond:
                 if task.broadcast is not None:
                     task.broadcast.closed = True
-                record = with_silos(record, task)
+                contributed = contributors(task, private)
+                for silo_id in contributed & self.registry.silos.keys():
+                    self.registry.credit(silo_id)  # once per applied round, not per attempt or message
+                record = with_silos(record, task, contributed)
         self.records.history.append(record)
         self.failed_attempts = 0
         saving_started = time.time()
@@ -566,7 +566,16 @@ class RoundLoop:
             sink.close()
 
 
-def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
+def contributors(task: ActiveTask, private: PrivateSums | None) -> set[str]:
+    """The silos whose updates the applied round holds: under secure aggregation the survivors whose masked inputs
+    the sum holds (a silo that advertised keys and then vanished is not one); else those that reported an update,
+    not a skip, and stayed."""
+    if private is not None and private.secagg is not None:
+        return set(private.contributors)
+    return task.reported - task.gone - task.skipped
+
+
+def with_silos(record: RoundRecord, task: ActiveTask, contributed: set[str]) -> RoundRecord:
     """What the round's silos did: who reported, bytes, their mean training loss and time, the hub's memory."""
     reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
     sums = task.sums
@@ -574,7 +583,7 @@ def with_silos(record: RoundRecord, task: ActiveTask) -> RoundRecord:
         record, silos_left_out=tuple(sorted(task.sampled - (task.reported - task.gone))),
         quorum_wait_seconds=task.quorum_wait,
         silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
-        silos_dropped=len(task.sampled) - reporters, silos_contributed=len(task.reported - task.gone - task.skipped),
+        silos_dropped=len(task.sampled) - reporters, silos_contributed=len(contributed),
         attempt=task.attempt, bytes_up=task.bytes_up,
         bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),
         silos_received=len(task.broadcast.received) if task.broadcast else None,

@@ -137,6 +137,10 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
     assert hub.records.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
+    # s3 trained and advertised its keys, but the sum does not hold its input: neither the record nor the card
+    # counts it as a contributor.
+    assert hub.records.history[-1].silos_contributed == 4
+    assert {s: hub.registry.silos[s].rounds_contributed for s in values} == {**dict.fromkeys(values, 1), "s3": 0}
     # The ledger charges a silo just before its masked input leaves, the first message derived from its update:
     # s3, gone before that, spent nothing.
     for s in silos:
