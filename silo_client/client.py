@@ -453,14 +453,9 @@ class SiloClient:
             return budget.charge(metrics, self.metrics)
 
         if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves, and when to charge
-            policy = self.policy
-            floor = SessionFloor(
-                min_cohort=max(self.pinned.secure_aggregation.min_cohort,
-                               policy.secure_aggregation.min_cohort if policy else 0),
-                min_threshold=policy.secure_aggregation.min_threshold if policy else 0)
             sent = self.privacy.submit(self.silo_id, self.run.run_id, task, result, expected,
-                                       noise_std=required_noise_std(policy, self.pinned, task.privacy), floor=floor,
-                                       charge=charge)
+                                       noise_std=required_noise_std(self.policy, self.pinned, task.privacy),
+                                       floor=SessionFloor.of(self.pinned, self.policy), charge=charge)
         else:
             # Only the clear metrics the terms ask for leave (none under sample-level DP: DP-SGD covers only the
             # update); the Outbox keeps them all in when the policy says so.

@@ -29,6 +29,7 @@ from security.dp import SiloInstructions, privatize_update
 from security.secagg import SecAggError, SiloSession
 from security.secagg.identity import PeerVerifier, SiloIdentity
 from silo.v1 import silo_pb2
+from silo_client.policy import BranchPolicy
 from silo_core.algorithms.base import SiloResult
 from silo_core.tensors import DTYPES, TensorSpec
 
@@ -53,6 +54,14 @@ class SessionFloor:
 
     min_cohort: int = 0  # the survivor set, signed by this many silos, must hold at least this many
     min_threshold: int = 0  # shares its neighbours must reveal before its masks can be removed
+
+    @classmethod
+    def of(cls, pinned: silo_pb2.PrivacyTerms, policy: BranchPolicy | None) -> SessionFloor:
+        """The stricter of the run's pinned terms and the branch's policy, line by line: a hub that promised a
+        floor in its terms is held to it even where the policy asks for less (or the silo has none)."""
+        sa, mine = pinned.secure_aggregation, policy.secure_aggregation if policy is not None else None
+        return cls(min_cohort=max(sa.min_cohort, mine.min_cohort if mine else 0),
+                   min_threshold=max(sa.min_threshold, mine.min_threshold if mine else 0))
 
 
 class SiloPrivacy:

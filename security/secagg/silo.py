@@ -184,8 +184,8 @@ class SiloSession:
         if not (r.threshold >= 2 and 2 * r.threshold > r.degree):
             raise ValueError(f"threshold {r.threshold} is not a strict majority of the neighbourhood {r.degree}")
         if r.threshold < self.min_threshold:
-            raise ValueError(f"threshold {r.threshold} is below this silo's policy minimum of {self.min_threshold} "
-                             f"shares")
+            raise ValueError(f"threshold {r.threshold} is below this silo's minimum of {self.min_threshold} shares "
+                             "(the run's pinned terms or the branch's policy)")
         if not r.threshold <= len(r.neighbours) <= r.degree:
             raise ValueError(f"{len(r.neighbours)} neighbours for a threshold of {r.threshold} and degree {r.degree}")
         if r.modulus_bits not in MODULUS_BITS or not r.rules:

@@ -558,5 +558,5 @@ def test_a_policy_threshold_above_the_rosters_is_refused(fed):
     d = Driver(fed, 7, session="floor")
     d.silos["silo-00"].min_threshold = 5
     d.share(d.advertise())
-    assert "threshold 4 is below this silo's policy minimum of 5 shares" in d.aborted["silo-00"]
+    assert "threshold 4 is below this silo's minimum of 5 shares" in d.aborted["silo-00"]
     assert set(d.aborted) == {"silo-00"}
