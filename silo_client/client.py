@@ -182,8 +182,9 @@ class SiloClient:
         (_load_if_deferred); files found unreadable then lower its count at its next join."""
         self.hub_check.check()
         loaded = self.data is not None
-        if self.policy is not None and self.pinned is None:
-            # A branch with a policy says nothing of its data before it has checked the run's terms.
+        if self.policy is not None:
+            # A branch with a policy says nothing of its data before it has checked the run's terms: at every join,
+            # since a hub restarted on another state folder answers with a new run whose terms are not pinned yet.
             self._accept_terms(self._announce(preparing=True, with_counts=False))
         run = self._announce(preparing=not loaded and not self.s.load_when_sampled)
         self._accept_terms(run)  # before loading any image

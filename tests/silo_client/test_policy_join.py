@@ -86,6 +86,27 @@ def test_a_run_short_of_the_policy_is_refused_at_join_before_any_image_is_read(t
         app.stop()
 
 
+def test_a_silo_says_nothing_of_its_data_to_a_new_run_before_it_has_checked_that_runs_terms(tmp_path):
+    app, port = start_hub(tmp_path)
+    joins = []
+    real_join = app.hub.join
+    app.hub.join = lambda *a, **k: joins.append((k.get("preparing"), a[1], a[2])) or real_join(*a, **k)
+    client = silo(tmp_path, port, {"algorithms": ["semifl"]})
+    try:
+        client._join()
+        assert joins[0] == (True, 0, 0) and joins[-1][0] is False and joins[-1][1] > 0  # terms checked, then counts
+        # The hub comes back on another state folder: a new run, under terms this branch's policy refuses.
+        app.hub.run_description = {**app.hub.run_description, "run_id": "f" * 32, "algorithm": "fedseal"}
+        joins.clear()
+        with pytest.raises(SiloLeft) as left:
+            client._join()
+        assert left.value.refusal.clause == "algorithms"
+        assert joins == [(True, 0, 0)]  # the new run heard no image count before its terms were checked
+    finally:
+        client.close()
+        app.stop()
+
+
 def test_a_silo_of_the_previous_protocol_is_refused_by_a_hub_whose_run_has_privacy_terms(tmp_path):
     app, port = start_hub(tmp_path, privacy={"dp": {"enabled": True, "noise": "central"}})
     try:
