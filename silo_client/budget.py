@@ -14,6 +14,10 @@ from silo_client.outbox import epsilon_fields
 from silo_client.policy import BranchPolicy, Refusal
 from silo_client.run_checks import guards_against_hub
 
+# The policy clauses that can stop DP-SGD, in the words a refusal uses.
+DP_SGD_LIMITS = {"sample_dp.max_epsilon_per_run": "DP-SGD epsilon ceiling for the run",
+                 "lifetime_epsilon": "lifetime epsilon budget"}
+
 
 class TaskBudget:
     """One task's budget questions, for a run whose terms were pinned (`pinned`) with id `run_id`."""
@@ -35,17 +39,36 @@ class TaskBudget:
         return (after is not None and p is not None and p.lifetime_epsilon is not None
                 and self.ledger.lifetime_epsilon(exclude_run=self.run_id) + after <= p.lifetime_epsilon)
 
-    def sample_dp_limit(self) -> float | None:
-        """The DP-SGD epsilon this run may reach at this silo: the hub's budget, the policy's ceiling per run, and
-        what the policy's lifetime budget leaves after earlier runs (when client-level DP does not already bound
-        every image this round). None: no limit."""
+    def sample_dp_limits(self) -> dict[str, float]:
+        """What bounds the DP-SGD epsilon this run may reach at this silo, by the clause that sets it: the hub's
+        budget (`sample_dp.epsilon_budget` in the run's terms), the policy's ceiling per run, and what the policy's
+        lifetime budget leaves after earlier runs (when client-level DP does not already bound every image this
+        round)."""
         sd, p = self.task.privacy.sample_dp, self.policy
-        limits = [sd.epsilon_budget] if sd.epsilon_budget else []
+        limits = {"sample_dp.epsilon_budget": sd.epsilon_budget} if sd.epsilon_budget else {}
         if p is not None and p.sample_dp.max_epsilon_per_run is not None:
-            limits.append(p.sample_dp.max_epsilon_per_run)
+            limits["sample_dp.max_epsilon_per_run"] = p.sample_dp.max_epsilon_per_run
         if p is not None and p.lifetime_epsilon is not None and not self._client_covers_lifetime():
-            limits.append(p.lifetime_epsilon - self.ledger.lifetime_epsilon(exclude_run=self.run_id))
-        return min(limits) if limits else None
+            limits["lifetime_epsilon"] = p.lifetime_epsilon - self.ledger.lifetime_epsilon(exclude_run=self.run_id)
+        return limits
+
+    def sample_dp_limit(self) -> float | None:
+        """The tightest of sample_dp_limits; None: no limit."""
+        limits = self.sample_dp_limits()
+        return min(limits.values()) if limits else None
+
+    def policy_clause_binding_dp_sgd(self) -> str | None:
+        """The policy clause whose limit DP-SGD stops at, when one does: the silo then leaves the run, as its
+        policy says. None when the hub's own budget is at least as tight (the run's terms end DP-SGD there, and
+        the silo keeps taking part, skipping)."""
+        limits = self.sample_dp_limits()
+        if not limits:
+            return None
+        tightest = min(limits.values())
+        hub = limits.get("sample_dp.epsilon_budget")
+        if hub is not None and hub <= tightest:
+            return None
+        return next(clause for clause, limit in limits.items() if limit == tightest)
 
     def refusal_before_training(self) -> Refusal | None:
         """A round that would take this silo past its policy's client-level ceiling per run, or past its lifetime

@@ -34,7 +34,7 @@ from security.terms import (
 from security.terms import as_dict as terms_dict
 from security.tls import insecure_dev_channel, read_bundle, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
-from silo_client.budget import TaskBudget
+from silo_client.budget import DP_SGD_LIMITS, TaskBudget
 from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
 from silo_client.errors import SiloError, SiloLeft
 from silo_client.hub_link import (
@@ -433,6 +433,8 @@ class SiloClient:
         plan = self._plan(task)
         private = task.HasField("privacy")
         sd = task.privacy.sample_dp
+        # Which of this branch's own limits, if any, stops DP-SGD in this run (by the ledger before this round).
+        leave_at_limit = budget.policy_clause_binding_dp_sgd() if sd.enabled else None
         if sd.enabled:  # DP-SGD as the pinned terms say, within this branch's own budgets
             # At the ledger's delta (the policy's), so the DP-SGD figure and the ledger's agree.
             plan.hyperparameters["sample_dp"] = {"noise_multiplier": sd.noise_multiplier, "clip_norm": sd.clip_norm,
@@ -472,11 +474,11 @@ class SiloClient:
         self.metrics.trained(task.round, metrics["train_seconds"], metrics, result.skipped)
         self.log.info("round %d: %s in %.1fs (%d of %d pseudo-labeled)", task.round, sent,
                       metrics["train_seconds"], int(metrics.get("pl_selected", 0)), int(metrics.get("pl_total", 0)))
-        if sd.enabled and metrics.get("sample_dp_budget_spent") and self.policy is not None:
-            self._leave(Refusal("budget", "sample_dp.max_epsilon_per_run", f"{plan.hyperparameters['sample_dp']['epsilon_budget']:g}",
+        if leave_at_limit is not None and metrics.get("sample_dp_budget_spent"):
+            self._leave(Refusal("budget", leave_at_limit, f"{plan.hyperparameters['sample_dp']['epsilon_budget']:g}",
                                 f"{metrics.get('sample_dp_epsilon', 0.0):.4g}",
-                                f"round {task.round}: one more round of DP-SGD would pass this silo's epsilon budget "
-                                "for the run", task.round))
+                                f"round {task.round}: one more round of DP-SGD would pass this branch's "
+                                f"{DP_SGD_LIMITS[leave_at_limit]}", task.round))
 
     # ------------------------------------------------------------------ the loop
     def run_forever(self) -> int:

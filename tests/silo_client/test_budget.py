@@ -74,3 +74,21 @@ def test_the_lifetime_budget_refuses_a_round_and_bounds_dp_sgd_with_what_earlier
                                                                              sample_budget=4.0))
     assert dp_sgd.refusal_before_training() is None and math.isclose(dp_sgd.sample_dp_limit(), 0.5)
     assert TaskBudget(None, ledger, silo_pb2.PrivacyTerms(), "now", task(1, client_dp=False)).sample_dp_limit() is None
+
+
+def test_the_silo_leaves_at_a_dp_sgd_limit_only_when_its_own_policy_set_the_tightest_one(tmp_path):
+    ledger = begun(begun(BranchLedger(tmp_path), "earlier", z=None, sample_dp=True), "now", z=None, sample_dp=True)
+    ledger.record_round("earlier", 1, client_dp_noise=None, sample_epsilon=2.5)  # an earlier run spent 2.5
+
+    def binding(policy: dict | None, hub_budget: float) -> str | None:
+        return TaskBudget(BranchPolicy.model_validate(policy) if policy is not None else None, ledger,
+                          silo_pb2.PrivacyTerms(), "now", task(1, client_dp=False, sample_dp=True,
+                                                                 sample_budget=hub_budget)).policy_clause_binding_dp_sgd()
+
+    per_run = {"sample_dp": {"max_epsilon_per_run": 2.0}}
+    assert binding(per_run, 4.0) == "sample_dp.max_epsilon_per_run"  # the policy's 2 is tighter than the hub's 4
+    assert binding(per_run, 1.0) is None  # the hub's own budget stops DP-SGD first: the silo stays, skipping
+    assert binding(per_run, 2.0) is None  # a tie: the run's terms end it anyway
+    assert binding({"lifetime_epsilon": 3.0}, 4.0) == "lifetime_epsilon"  # 0.5 left after the earlier run
+    assert binding({"algorithms": ["semifl"]}, 4.0) is None  # a policy with no epsilon clause never leaves for it
+    assert binding(None, 4.0) is None

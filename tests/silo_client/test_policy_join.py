@@ -217,6 +217,31 @@ def test_the_ledger_carries_on_across_a_restart_and_a_second_run_stops_at_the_li
         second.stop()
 
 
+@pytest.mark.parametrize("hub_budget, per_run, leaves", [(None, 0.01, True), (0.01, 1000.0, False)])
+def test_dp_sgd_stopped_by_the_branchs_own_ceiling_makes_it_leave_by_the_hubs_budget_it_stays(
+        tmp_path, hub_budget, per_run, leaves):
+    # One round of DP-SGD passes epsilon 0.01, so round 1 trains nothing: the tighter of the two limits stops it.
+    sample_dp = {**SAMPLE_DP["privacy"]["sample_dp"], **({"epsilon_budget": hub_budget} if hub_budget else {})}
+    app, port = start_hub(tmp_path, privacy={"sample_dp": sample_dp}, model=SAMPLE_DP["model"])
+    client = silo(tmp_path, port, {"sample_dp": {"required": True, "max_epsilon_per_run": per_run}})
+    thread, _ = run_in_thread(app)
+    try:
+        if leaves:
+            with pytest.raises(SiloLeft) as left:
+                client.run_forever()
+            assert left.value.refusal.clause == "sample_dp.max_epsilon_per_run"
+            assert "DP-SGD epsilon ceiling for the run" in str(left.value)
+            assert app.hub.registry.departures == {("budget", "sample_dp.max_epsilon_per_run"): 1}
+        else:  # the run's own terms end DP-SGD: the silo takes part to the end, skipping, as every branch does
+            assert client.run_forever() == 0 and client.rounds_done == [1, 2]
+            assert app.hub.registry.departures == {}
+    finally:
+        client.close()
+        app.hub.stop()
+        thread.join(60)
+        app.stop()
+
+
 def test_check_prints_the_terms_and_the_branches_that_refused(tmp_path, capsys):
     import yaml
 
