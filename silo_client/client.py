@@ -246,6 +246,9 @@ class SiloClient:
                 self._leave(Refusal("breach", "terms", terms_sha256(self.pinned)[:16], terms_sha256(run.terms)[:16],
                                     "the hub states other privacy terms than those pinned when this silo joined the "
                                     "run; a run's terms may not change"))
+            # The chunk size is the hub's wire setting, not a term: a hub restarted with another wire.chunk_bytes
+            # accepts only the new size.
+            self.outbox.pin(run.run_id, terms_sha256(self.pinned), int(run.chunk_bytes))
             return
         if run.protocol_version < PROTOCOL_VERSION:
             # Protocol 1 carried privacy instructions as a JSON string this silo no longer reads: following such a

@@ -107,6 +107,21 @@ def test_a_silo_says_nothing_of_its_data_to_a_new_run_before_it_has_checked_that
         app.stop()
 
 
+def test_a_hub_restarted_with_another_chunk_size_gets_chunks_of_that_size(tmp_path):
+    app, port = start_hub(tmp_path)
+    client = silo(tmp_path, port)
+    try:
+        client._join()
+        assert client.outbox.chunk_bytes == app.config.wire.chunk_bytes
+        # The same run (same state folder) after a restart with a smaller wire.chunk_bytes: the terms stay pinned.
+        app.hub.run_description = {**app.hub.run_description, "chunk_bytes": 65536}
+        client._join()
+        assert client.outbox.chunk_bytes == 65536 and client.pinned_for == app.hub.run_id
+    finally:
+        client.close()
+        app.stop()
+
+
 def test_a_silo_of_the_previous_protocol_is_refused_by_a_hub_whose_run_has_privacy_terms(tmp_path):
     app, port = start_hub(tmp_path, privacy={"dp": {"enabled": True, "noise": "central"}})
     try:
