@@ -113,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"checkpoint: none in {config.run.state_dir}; the run starts with the hub's initial training")
             return 0
         state = app.run()
-        if state.round < config.rounds.total:
+        ended_early = app.hub.rounds.stopped_reason  # e.g. the privacy budget: a restart would stop again
+        if state.round < config.rounds.total and not ended_early:
             print(f"hub stopped after round {state.round}; start it again to resume from the checkpoint")
             return 0
         last = app.hub.records.history[-1].scores if app.hub.records.history else Scores()
-        print(f"run finished after {state.round} rounds; test accuracy {nan_if_none(last.test_accuracy):.4f}; "
+        ended = (f"run ended after round {state.round} of {config.rounds.total} ({ended_early}; the card says so "
+                 "as stopped_early)") if ended_early else f"run finished after {state.round} rounds"
+        print(f"{ended}; test accuracy {nan_if_none(last.test_accuracy):.4f}; "
               f"model in {config.run.state_dir}/model.safetensors")
         if app.best.found:
             which = "" if app.best.round else ", the initial model: no round beat the hub's labels alone"

@@ -68,6 +68,7 @@ def test_secure_aggregation_and_dp_over_the_wire_with_a_silo_killed_mid_round(tm
     assert first["dp_epsilon"] < second["dp_epsilon"] <= 7.5
     assert round(first["dp_epsilon"], 2) == 4.73 and second["secagg_contributors"] == 4
     assert "privacy spent epsilon = 4.7285" in log and "stopping after round 2" in log
+    assert "run ended after round 2 of 4 (privacy budget:" in log and "start it again" not in log
     card = json.loads((staged.hub_state_dir / "model_card.json").read_text())
     assert card["privacy"]["secure_aggregation"] is True and card["privacy"]["dp_rounds"] == 2
     assert card["privacy"]["dp_epsilon"] == second["dp_epsilon"] and "privacy budget" in card["stopped_early"]
