@@ -448,8 +448,9 @@ class HubApp:
             "weights_file": weights.name,
             "weights_sha256": sha256_hex(weights.read_bytes()),
             "weights_round": state.round,  # the round whose model weights_file holds (best_round has its own)
-            "inference": "load with safetensors, build the named model, load_state_dict, call .eval(); inputs are "
-                         "images scaled to [0,1] then normalised with normalize_mean/std",
+            "inference": f"load with safetensors, build {self.algorithm.served_structure}, load_state_dict, call "
+                         ".eval() (silo-predict and silo-export do this); inputs are images scaled to [0,1] then "
+                         "normalised with normalize_mean/std",
         }
         write_json_atomic(out / "model_card.json", card)
         if self.validation is not None:

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from silo_core.algorithms import ALGORITHMS
 from silo_core.augment import to_float
 from silo_core.models import RUN_CARD, ModelSpec, architecture, architecture_sha256
 
@@ -201,6 +202,16 @@ def model_spec(card: dict[str, Any], model_factory: str | None = None) -> ModelS
                      factory=factory)
 
 
+def served_network(card: dict[str, Any], spec: ModelSpec) -> nn.Module:
+    """A fresh network of the structure the hub served: the spec's network, or the combination of several that
+    the card's algorithm serves (HASSLE's dual ensemble), with the card's algorithm options. An algorithm this
+    install does not know is built as one network; the architecture check then says whether that was right."""
+    entry = ALGORITHMS.get(str(card.get("algorithm")))
+    if entry is None:
+        return spec.build()
+    return entry.hub.served_network(spec, entry.options.model_validate(card.get("algorithm_options") or {}))
+
+
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -219,7 +230,7 @@ def load_trained_model(state_dir: Path | str, final: bool = False,
                         f"state folder as the hub wrote it")
     spec = model_spec(card, model_factory)
     try:
-        model = spec.build()
+        model = served_network(card, spec)
     except (ValueError, ImportError) as err:
         raise CardError(f"cannot build model {spec.label} from {Path(state_dir) / RUN_CARD}: {err}") from None
     recorded = card["model"].get("architecture_sha256")

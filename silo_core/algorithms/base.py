@@ -164,6 +164,16 @@ class HubAlgorithm(ABC):
     def served_model(self, state: HubState) -> nn.Module:
         """The model the hub serves and evaluates (eval-ready: static BN statistics in place)."""
 
+    # How the model card describes the served network's structure to whoever loads its weights.
+    served_structure = "the named model"
+
+    @classmethod
+    def served_network(cls, spec: ModelSpec, options: Any) -> nn.Module:
+        """A fresh network of the served model's structure, for loading its exported weights (silo-predict,
+        silo-export read the card's algorithm and options): one network of the spec, unless the algorithm serves
+        a combination of several."""
+        return spec.build()
+
     def trusted_update(self, state: HubState) -> dict[str, torch.Tensor] | None:
         """FLTrust's root of trust (hub.yaml aggregation.rule: fltrust): the hub's own model change this round,
         trained on its labels from the model the silos received, named as the plan's expected tensors, weight 1.

@@ -267,6 +267,15 @@ class HASSLEHub(HubAlgorithm):
         return DualEnsemble(self._model(state, f"{pair}S"), self._model(state, "rUS"),
                             self._model(state, f"{pair}U"), self._model(state, "rSU"), self.options.inference).eval()
 
+    served_structure = ("HASSLE's dual ensemble (silo_core.algorithms.hassle.DualEnsemble): the named model as S and "
+                        "U, each with a residual network of it scaled by algorithm_options.residual_width")
+
+    @classmethod
+    def served_network(cls, spec: ModelSpec, options: HASSLEOptions) -> nn.Module:
+        specs = _specs(spec, options)
+        return DualEnsemble(specs["S"].build(), specs["rUS"].build(), specs["U"].build(), specs["rSU"].build(),
+                            options.inference)
+
 
 # ---------------------------------------------------------------------------------------------- site half
 
