@@ -434,7 +434,8 @@ class HubApp:
             "classes": self.labeled.classes,
             "rounds": state.round,
             "hub_labeled_images": len(self.labeled),
-            "silos": {s: {"rounds_contributed": r.rounds_contributed, "unlabeled_images": r.num_unlabeled,
+            "silos": {s: {"rounds_contributed": self.hub.records.contributed.get(s, 0),
+                          "unlabeled_images": r.num_unlabeled,
                           "skipped_images": r.skipped_images}
                       for s, r in sorted(self.hub.registry.silos.items())},
             "final_metrics": final.to_json(),

@@ -202,7 +202,7 @@ class _HubStateCollector(Collector):
         now = time.time()
         with hub.cond:
             phase, round_now = hub.rounds.phase, hub.rounds.round
-            silos = [(s, r.last_seen, r.rounds_contributed, r.num_unlabeled, r.skipped_images)
+            silos = [(s, r.last_seen, hub.records.contributed.get(s, 0), r.num_unlabeled, r.skipped_images)
                      for s, r in sorted(hub.registry.silos.items())]
             preparing = len(hub.registry.preparing_silos())
             counters, refusals = dict(hub.registry.counters), dict(hub.registry.refusals)
@@ -367,7 +367,7 @@ class _HubStateCollector(Collector):
         silent = _gauge("silokit_hub_silo_rounds_silent", "Rounds completed since the hub last heard from the silo.",
                         labels=["silo"])
         contributed = _gauge("silokit_hub_silo_rounds_contributed", "Rounds whose sums hold this silo's update "
-                             "(since the hub started).", labels=["silo"])
+                             "(the whole run, across hub restarts).", labels=["silo"])
         images = _gauge("silokit_hub_silo_unlabeled_images", "Unlabeled images the silo declared at join.",
                         labels=["silo"])
         skipped = _gauge("silokit_hub_silo_skipped_images", "Unreadable image files the silo skipped.",

@@ -534,8 +534,7 @@ class RoundLoop:
                 if task.broadcast is not None:
                     task.broadcast.closed = True
                 contributed = contributors(task, private)
-                for silo_id in contributed & self.registry.silos.keys():
-                    self.registry.credit(silo_id)  # once per applied round, not per attempt or message
+                self.records.credit(contributed)  # once per applied round, not per attempt or message
                 record = with_silos(record, task, contributed)
         self.records.history.append(record)
         self.failed_attempts = 0

@@ -83,7 +83,6 @@ class SiloRecord:
     skipped_images: int = 0
     joined_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
-    rounds_contributed: int = 0
     ready: bool = True  # False while the silo loads its images (JoinRequest.preparing): not sampled yet
     # The images the silo declared when it first joined ready: fixed for the run, it bounds the silo's weight (a
     # re-join may lower it, never raise it).
@@ -403,10 +402,6 @@ class SiloRegistry:
         """The images each of these silos declared (1 when it declared none), for the round's weight caps."""
         with self.cond:
             return {s: self.silos[s].declared_images or 1 for s in silo_ids}
-
-    def credit(self, silo_id: str) -> None:
-        """The silo's result is in a round (call under the lock)."""
-        self.silos[silo_id].rounds_contributed += 1
 
     def mark_dropped(self, silo_ids: Iterable[str]) -> None:
         """These silos left a round without reporting: not sampled again until they poll again."""

@@ -33,6 +33,9 @@ class RunRecords:
         self.privacy = privacy  # HubPrivacy or None: its accountant is checkpointed with the rounds
         self.history: list[RoundRecord] = []
         self.initial = Scores()  # the initial model's scores, before round 1
+        # Rounds whose applied sum held each silo's update, over the whole run: checkpointed, so that the card and
+        # the gauge still count the rounds before a restart.
+        self.contributed: dict[str, int] = {}
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = self._load_or_make_run_id()
 
@@ -77,6 +80,8 @@ class RunRecords:
                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
         self.history = self._with_checkpoint_times(records_from_json(info.get("history", [])))
         self.initial = Scores.from_json(info.get("initial", {}))
+        self.contributed = {str(k): int(v) for k, v in (info.get("rounds_contributed") or {}).items()
+                            if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
         log.info("resumed from checkpoint after round %d", state.round)
@@ -99,7 +104,7 @@ class RunRecords:
         history, initial = [r.to_json() for r in self.history], self.initial.to_json()
         info: dict[str, Any] = {"run_id": self.run_id, "history": history, "initial": initial,
                                 # fixed for the run: a restarted hub must not let a silo declare more
-                                "declared_images": declared_images}
+                                "declared_images": declared_images, "rounds_contributed": dict(self.contributed)}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
         folder = save_checkpoint(self.state_dir, state, info)
@@ -108,6 +113,11 @@ class RunRecords:
             manifest = json.loads((folder / MANIFEST).read_text())
             self.audit.append("model_written", run=self.run_id, round=state.round,
                               file=str(folder.relative_to(self.state_dir)), sha256=manifest["sha256"])
+
+    def credit(self, silo_ids: set[str]) -> None:
+        """These silos' updates are in the round being applied: one more round each."""
+        for silo_id in silo_ids:
+            self.contributed[silo_id] = self.contributed.get(silo_id, 0) + 1
 
     def write_history(self) -> None:
         """history.json: what silo-sim, the benchmarks and an operator read while the run goes on."""

@@ -102,7 +102,8 @@ def test_semifl_over_mtls_survives_a_hub_restart(tmp_path, processes):
     card = json.loads((staged.hub_state_dir / "model_card.json").read_text())
     assert card["rounds"] == 4 and card["algorithm"] == "semifl"
     assert set(card["silos"]) == {s.name for s in staged.silos}
-    assert all(v["rounds_contributed"] >= 4 - resumed for v in card["silos"].values())
+    # Every silo's update is in all four sums; the checkpoint carried the count across the restart.
+    assert all(v["rounds_contributed"] == 4 for v in card["silos"].values()), card["silos"]
     assert (staged.hub_state_dir / "model.safetensors").stat().st_size > 10_000
     check_best_round(staged, after, card)
     assert f"best round on the validation split: {card['best_round']['round']} (" in log

@@ -70,11 +70,14 @@ def test_run_records_keep_the_run_id_and_read_back_what_they_saved(tmp_path):
     assert RunRecords(tmp_path).run_id == records.run_id  # the same state folder is the same run
     state = HubState(1, {"model/x": torch.ones(2)})
     records.history.append(RoundRecord(round=1, scores=records.score(state)))
+    records.credit({"a", "b"})
+    records.credit({"a"})
     records.save(state, {"a": 7})
 
     again = RunRecords(tmp_path)
     loaded_state, declared = again.load(total_rounds=3, check=lambda state: torch.nn.Identity())
     assert loaded_state.round == 1 and declared == {"a": 7}
+    assert again.contributed == {"a": 2, "b": 1}  # a restarted hub's card and gauge still count them
     assert [r.round for r in again.history] == [1] and again.history[0].scores == records.history[0].scores
     assert again.initial == Scores()
 

@@ -32,7 +32,7 @@ def _refused(call) -> Refusal:
 def snapshot(hub: Hub) -> tuple:
     """Everything an upload could change (except the silos' last_seen, which any call refreshes)."""
     t = hub.rounds.task
-    silos = {s: (r.num_unlabeled, r.num_labeled, r.device, r.skipped_images, r.rounds_contributed)
+    silos = {s: (r.num_unlabeled, r.num_labeled, r.device, r.skipped_images, hub.records.contributed.get(s, 0))
              for s, r in hub.registry.silos.items()}
     task = None if t is None else (
         t.task_id, t.round, t.open, frozenset(t.reported), frozenset(t.skipped), frozenset(t.downloaded), t.bytes_up,
