@@ -86,7 +86,7 @@ def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, a
             _human(h.bytes_up or 0), _human(h.bytes_down or 0), *((_epsilon(h),) if private else ()),
         )
     if baseline:
-        table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.round else ()), "-", "-",
+        table.add_row("server-only", f"{baseline['test_accuracy']:.4f}", *(("-",) if best.found else ()), "-", "-",
                       "-", *(("-",) if broadcast else ()), f"{baseline['seconds']:.1f}s", "-", "-",
                       *(("-",) if private else ()), style="dim")
     return table

@@ -56,9 +56,12 @@ def test_the_summary_marks_the_initial_model_when_no_round_beat_it():
     history = [RoundRecord(round=r, scores=Scores(test_accuracy=t, validation_accuracy=v))
                for r, t, v in ((1, 0.61, 0.70), (2, 0.66, 0.79))]
     console = Console(width=160, record=True)
-    console.print(summary_table(history, None, "fedavg_fixmatch", initial))
+    console.print(summary_table(history, {"test_accuracy": 0.64, "seconds": 1.0}, "fedavg_fixmatch", initial))
     text = console.export_text()
     assert "0.8000*" in text and "0.7900*" not in text  # the model best_model.safetensors holds: round 0's
+    # The server-only baseline's row has a cell in the validation column too, so its cells stay in their columns.
+    cells = [c.strip() for c in next(line for line in text.splitlines() if "server-only" in line).split("│")]
+    assert cells[1:4] == ["server-only", "0.6400", "-"] and cells[7] == "1.0s"  # its time under "round time"
     assert "the initial model (no round beat the hub's labels alone" in text
     assert "best round on the hub's validation split" not in text
 
