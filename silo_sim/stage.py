@@ -152,9 +152,13 @@ def write_images(images: ImageSet, folder: Path, labeled: bool) -> None:
     width = len(str(max(len(images) - 1, 0)))
     # Strings, not Paths: staging 1,000 silos links 60,000 files, and Path objects were most of its time.
     if labeled:
-        class_dirs = {y: str(folder / class_folder_name(y, images.classes[y], len(images.classes)))
-                      for y in set(images.labels.tolist())}
+        # Every class gets its folder, empty where this shard has none of it: a labeled folder's classes are its
+        # sub-folders, and a silo refuses one whose count differs from the run's.
+        class_dirs = {y: str(folder / class_folder_name(y, name, len(images.classes)))
+                      for y, name in enumerate(images.classes)}
         targets = [class_dirs[y] for y in images.labels.tolist()]
+        for d in class_dirs.values():
+            os.makedirs(d, exist_ok=True)
     else:
         targets = [str(folder)] * len(images)
     for d in set(targets):

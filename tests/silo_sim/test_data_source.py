@@ -13,6 +13,7 @@ import yaml
 from PIL import Image
 
 from silo_core.data import DataError, list_image_files
+from silo_core.data.folders import load_labeled_folder
 from silo_sim.stage import load_source, stage_federation
 
 
@@ -128,3 +129,16 @@ def test_the_hub_part_is_complete_before_the_silos_are_staged(tmp_path) -> None:
     staged = stage_federation(tmp_path / "fed", num_silos=3, labels_per_class=1, unlabeled_limit=30,
                               test_per_class=1, seed=0, hub_staged=hub_staged)
     assert seen == [(3, 0, True, 10, False)] and len(staged.silos) == 3
+
+
+def test_a_labeled_silo_gets_a_folder_for_every_class_even_those_its_shard_lacks(tmp_path) -> None:
+    # Two classes per silo: the labeled silo's shard holds 2 of the demo's 10 classes, and a labeled folder's
+    # classes are its sub-folders, which the silo checks against the run's count.
+    staged = stage_federation(tmp_path / "fed", num_silos=5, labels_per_class=1, partition="classes",
+                              classes_per_silo=2, labeled_silos=1, silo_labels_per_class=2, test_per_class=2,
+                              unlabeled_limit=200, seed=0)
+    folder = staged.silos[0].labeled
+    classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+    assert len(classes) == 10
+    assert sum(1 for d in folder.iterdir() if d.is_dir() and any(d.iterdir())) <= 2  # the rest are empty
+    assert len(load_labeled_folder(folder, 28, 1).classes) == 10  # as the silo loads it for a 10-class run
