@@ -102,6 +102,13 @@ class HubApp:
         self.test = load_source(d.test, m.image_size, m.in_channels, d.cache_mb, d.loader_workers) if d.test else None
         self.validation = validation = (load_source(d.validation, m.image_size, m.in_channels, d.cache_mb,
                                                     d.loader_workers) if d.validation else None)
+        for key, split in (("data.test", self.test), ("data.validation", validation)):
+            # Labels are positions in the sorted class list: a split with another list would be scored (and, for
+            # validation, select models and FedSEAL's thresholds) against shifted labels without any error.
+            if split is not None and list(split.classes) != list(self.labeled.classes):
+                raise ValueError(f"{key} has classes {describe_classes(split.classes)} but data.labeled has "
+                                 f"{describe_classes(self.labeled.classes)}: both must list the same classes (give a "
+                                 "class the split lacks an empty folder)")
         self.spec = ModelSpec.from_config(m, len(self.labeled.classes))
         entry = get_algorithm(config.algorithm.name)
         self.options = config.algorithm.parsed_options()
@@ -491,6 +498,11 @@ class HubApp:
             "weights_file": path.name,
             "weights_sha256": sha256_hex(path.read_bytes()),
         }
+
+
+def describe_classes(classes: list[str]) -> str:
+    shown = ", ".join(classes[:12]) + (f", ... ({len(classes)} in all)" if len(classes) > 12 else "")
+    return f"[{shown}]"
 
 
 def describe(config: HubConfig) -> str:

@@ -42,6 +42,22 @@ def test_missing_labeled_folder_and_missing_certificates(tmp_path):
     assert rc == 2 and "missing-certs" in err and "silo-certs issue-hub" in err and "Traceback" not in err
 
 
+def test_a_validation_folder_with_other_classes_than_the_labeled_one_is_refused_at_start(tmp_path):
+    for split, names in (("labeled", ("benign", "malignant", "normal")), ("validation", ("malignant", "normal"))):
+        for name in names:
+            write_images(tmp_path / split / name, n=2)
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "data": {"labeled": {"kind": "imagefolder", "path": "labeled"},
+                 "validation": {"kind": "imagefolder", "path": "validation"}},
+        "model": {"image_size": 28, "in_channels": 1},
+        "run": {"state_dir": "state", "device": "cpu"}}))
+    rc, err = run_server("--config", str(cfg), "--check")
+    assert rc == 2 and "Traceback" not in err, err
+    assert ("data.validation has classes [malignant, normal] but data.labeled has [benign, malignant, normal]"
+            in err and "give a class the split lacks an empty folder" in err), err
+
+
 def test_check_mode_validates_without_serving(tmp_path):
     init_ca(tmp_path / "ca")
     issue_hub(tmp_path / "ca", tmp_path / "hub")
