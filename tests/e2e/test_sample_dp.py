@@ -16,7 +16,8 @@ TINY = {"hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 8, "hub_batch_siz
 
 def test_silos_train_with_dp_sgd_report_epsilon_and_stop_at_their_budget(tmp_path, processes):
     q, steps = dp_schedule(40, 8, 1)  # 80 images over 2 silos, all confident at tau 0
-    one, two = PrivacyAccountant("rdp", 1e-5), PrivacyAccountant("rdp", 1e-5)
+    # The hub states its delta, 1e-7, below the silos' default 1e-5: each silo reports and limits at the smaller.
+    one, two = PrivacyAccountant("rdp", 1e-7), PrivacyAccountant("rdp", 1e-7)
     one.step(1.2, q, steps)
     two.step(1.2, q, 2 * steps)
     port = free_port()
@@ -28,7 +29,7 @@ def test_silos_train_with_dp_sgd_report_epsilon_and_stop_at_their_budget(tmp_pat
             "model": {"options": {"width": 4, "norm": "group"}},
             "algorithm": {"name": "semifl", "options": TINY},
             "rounds": {"total": 2, "min_silos": 2, "deadline_s": 120},
-            "privacy": {"sample_dp": {"enabled": True, "noise_multiplier": 1.2, "clip_norm": 1.0,
+            "privacy": {"sample_dp": {"enabled": True, "noise_multiplier": 1.2, "clip_norm": 1.0, "delta": 1e-7,
                                       "epsilon_budget": (one.epsilon() + two.epsilon()) / 2}},
         },
     )
@@ -45,7 +46,7 @@ def test_silos_train_with_dp_sgd_report_epsilon_and_stop_at_their_budget(tmp_pat
         log = processes.log(proc.name)
         reported = [float(e) for e in re.findall(r"sample-level DP epsilon (\S+) at delta", log)]
         assert len(reported) == 2 and abs(reported[0] - one.epsilon()) < 1e-3 and reported[1] == reported[0], log
-        assert "budget reached: no more training" in log
+        assert "budget reached: no more training" in log and "at delta 1e-07" in log
         ledgers = list(silo.state_dir.rglob("sample_dp_ledger-*.json"))
         assert len(ledgers) == 1
         assert sum(s for _, _, s in json.loads(ledgers[0].read_text())["history"]) == steps
