@@ -136,6 +136,8 @@ class HubApp:
             evaluate=self.evaluate if self.test is not None else None,
             validate=self.validate if validation is not None else None,
         )
+        self.best_pending: torch.nn.Module | None = None  # the best round's model until its checkpoint is written
+        self.hub.records.after_save = self.keep_best_model
         if config.run.tensorboard is not None:  # one more sink of the round records (silo_server/rounds/sinks.py)
             self.hub.rounds.sinks.append(TensorBoardSink(Path(config.run.tensorboard) / self.hub.run_id,
                                                          initial=lambda: self.hub.records.initial))
@@ -235,10 +237,19 @@ class HubApp:
         result = evaluate(model, self.validation.images, self.validation.labels, self.spec.mean, self.spec.std,
                           self.device)
         if self.best.offer(state.round, result["accuracy"]):
-            save_best_model(self.config.run.state_dir, model, self.hub.run_id, self.best)
-            log.info("round %d is the best so far on the validation split (%.2f%%): %s updated", state.round,
-                     100 * result["accuracy"], BEST_MODEL)
+            self.best_pending = model  # written once the round's checkpoint is (keep_best_model)
         return result
+
+    def keep_best_model(self) -> None:
+        """After a checkpoint: write the best round's model, if that round is new. Not before the checkpoint: a hub
+        killed between the two would resume with a privacy accountant that does not count the round whose noised
+        model best_model.safetensors already held."""
+        model, self.best_pending = self.best_pending, None
+        if model is None:
+            return
+        save_best_model(self.config.run.state_dir, model, self.hub.run_id, self.best)
+        log.info("round %d is the best so far on the validation split (%.2f%%): %s updated", self.best.round,
+                 100 * self.best.accuracy, BEST_MODEL)
 
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:

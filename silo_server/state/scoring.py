@@ -36,6 +36,8 @@ class RunRecords:
         # Rounds whose applied sum held each silo's update, over the whole run: checkpointed, so that the card and
         # the gauge still count the rounds before a restart.
         self.contributed: dict[str, int] = {}
+        # Called once each checkpoint is written: the hub app then writes what must not run ahead of it.
+        self.after_save: Callable[[], None] | None = None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = self._load_or_make_run_id()
 
@@ -113,6 +115,8 @@ class RunRecords:
             manifest = json.loads((folder / MANIFEST).read_text())
             self.audit.append("model_written", run=self.run_id, round=state.round,
                               file=str(folder.relative_to(self.state_dir)), sha256=manifest["sha256"])
+        if self.after_save is not None:
+            self.after_save()
 
     def credit(self, silo_ids: set[str]) -> None:
         """These silos' updates are in the round being applied: one more round each."""

@@ -9,7 +9,7 @@ from silo_core.rounds import RoundRecord, Scores
 from silo_core.selection import BestRound
 from silo_server.app import HubApp
 from silo_server.config import parse_config
-from silo_server.state.checkpoint import save_best_model
+from silo_server.state.checkpoint import load_best_round, save_best_model
 
 CONFIG = {
     "run": {"state_dir": "state", "device": "cpu"},
@@ -48,3 +48,14 @@ def test_the_hub_warns_when_no_round_beat_the_initial_model(tmp_path, caplog) ->
         app.log_best_round(tmp_path / "best_model.safetensors")
     [record] = [r for r in caplog.records if "best_model.safetensors" in r.getMessage()]
     assert record.levelno == logging.INFO and "best round on the validation split: 2 (82.00%)" in record.getMessage()
+
+
+def test_the_best_model_is_written_only_after_its_rounds_checkpoint(tmp_path) -> None:
+    # A hub killed between the two must not hold a best model whose noise its restored accountant does not count.
+    app = HubApp(parse_config(CONFIG, base=tmp_path), insecure_dev_only=True)
+    state = app.algorithm.init_state()
+    app.validate(state)
+    best = tmp_path / "state" / "best_model.safetensors"
+    assert app.best.found and app.best.round == 0 and not best.exists()
+    app.hub.records.save(state, {})
+    assert best.is_file() and load_best_round(tmp_path / "state", app.hub.run_id).round == 0
