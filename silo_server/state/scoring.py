@@ -72,18 +72,16 @@ class RunRecords:
     # ------------------------------------------------------------------ checkpoints
     def load(self, total_rounds: int, check: Callable[..., Any]) -> tuple[HubState, dict[str, int]] | None:
         """Load and verify the latest checkpoint (silo_server/state/checkpoint.py says what is checked): its history,
-        initial scores and privacy accountant come back here; the state and the images each silo declared are
-        returned. None when there is none; CheckpointError says which file and how to recover."""
+        initial scores, rounds contributed and privacy accountant come back here; the state and the images each
+        silo declared are returned. None when there is none; CheckpointError says which file and how to recover."""
         loaded = load_latest(self.state_dir, total_rounds=total_rounds, check=check)
         if loaded is None:
             return None
         state, info = loaded
-        declared = {str(k): int(v) for k, v in (info.get("declared_images") or {}).items()
-                    if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        declared = per_silo_counts(info, "declared_images")
         self.history = self._with_checkpoint_times(records_from_json(info.get("history", [])))
         self.initial = Scores.from_json(info.get("initial", {}))
-        self.contributed = {str(k): int(v) for k, v in (info.get("rounds_contributed") or {}).items()
-                            if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        self.contributed = per_silo_counts(info, "rounds_contributed")
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
         log.info("resumed from checkpoint after round %d", state.round)
@@ -127,6 +125,12 @@ class RunRecords:
         """history.json: what silo-sim, the benchmarks and an operator read while the run goes on."""
         write_json_atomic(self.state_dir / "history.json", {"run_id": self.run_id, "initial": self.initial.to_json(),
                                                             "rounds": [r.to_json() for r in self.history]})
+
+
+def per_silo_counts(info: dict[str, Any], key: str) -> dict[str, int]:
+    """A checkpoint's count per silo under `key`, keeping only whole non-negative numbers."""
+    return {str(k): int(v) for k, v in (info.get(key) or {}).items()
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
 
 
 def short(v: Any) -> Any:
