@@ -101,4 +101,4 @@ class TaskBudget:
                                            sample_epsilon=sample, task=self.task.task_id)
         lifetime = self.ledger.lifetime_epsilon()
         silo_metrics.epsilon(figures.client, figures.sample, figures.image, lifetime)
-        return epsilon_fields(figures, lifetime)
+        return epsilon_fields(figures, lifetime, self.ledger.releases(self.run_id, self.task.round, self.task.task_id))

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,17 @@ from silo_core.training import resolve_device
 VERSION = "0.2.0"
 NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
 _TERMS_SAID: set[tuple[str, str]] = set()  # (run, terms hash) whose terms this process has logged
+
+
+@dataclass(frozen=True)
+class SentUpload:
+    """A result sent in the clear: what went, and the ledger's figures it went with."""
+
+    task_id: str
+    tensors: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    skipped: bool
+    epsilon: dict | None
 
 
 def run_here(work: Callable[..., Any], *args: Any) -> Any:
@@ -150,8 +162,9 @@ class SiloClient:
         if bundle is not None:  # secure aggregation: this silo signs its keys, checks its neighbours'
             identity = SiloIdentity.of(bundle.cert, bundle.key, bundle.dir)
             verifier = PeerVerifier(self.hub_check.trusted_ca, self.hub_check.revoked)
-        self.privacy = SiloPrivacy(send_result=self.outbox.upload, send_stage=self.outbox.stage, identity=identity,
+        self.privacy = SiloPrivacy(send_result=self._upload, send_stage=self._send_stage, identity=identity,
                                    verifier=verifier)
+        self.last_upload: SentUpload | None = None  # the last update sent in the clear, for a task asked again
         say_policy_once(self.log, self.policy, self.state_dir)
         # What the silo does next (join, wait for a task, back off, stop): one state machine decides.
         self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
@@ -426,7 +439,36 @@ class SiloClient:
     def _budget(self, task: silo_pb2.Task) -> TaskBudget:
         return TaskBudget(self.policy, self.ledger, self.pinned, self.run.run_id, task)
 
+    def _upload(self, task: silo_pb2.Task, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
+                skipped: bool, epsilon: dict | None) -> int:
+        """Send a result in the clear (through the Outbox), kept until the next one so that the same task asked
+        again gets the same bytes."""
+        self.last_upload = SentUpload(task.task_id, tensors, metrics, skipped, epsilon)
+        size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
+        self.metrics.sent(size)
+        return size
+
+    def _send_stage(self, task_id: str, round_number: int, stage: str, payload: bytes, epsilon: dict | None,
+                    tensors: list | None = None) -> None:
+        self.outbox.stage(task_id, round_number, stage, payload, epsilon, tensors)
+        self.metrics.sent(len(payload))
+
+    def _resend(self, task: silo_pb2.Task, sent: SentUpload) -> None:
+        """The hub asks again for a task whose result this silo already sent (it says the upload never arrived, or
+        it lost it): the same bytes go again with the same ledger figures. Training again would release a second,
+        differently noised update, which a hub could ask for over and over."""
+        self._upload(task, sent.tensors, sent.metrics, sent.skipped, sent.epsilon)
+        if task.round not in self.rounds_done:
+            self.rounds_done.append(task.round)
+        self.log.warning("round %d: the hub asked again for task %s, whose result this silo already sent; sent the "
+                         "same bytes again (no new training, nothing more charged to the privacy ledger)", task.round,
+                         task.task_id)
+
     def _train(self, task: silo_pb2.Task) -> None:
+        sent = self.last_upload
+        if sent is not None and sent.task_id == task.task_id:
+            self._resend(task, sent)
+            return
         self._load_if_deferred()
         self._check_task(task)
         budget = self._budget(task)
@@ -468,8 +510,8 @@ class SiloClient:
             # Only the clear metrics the terms ask for leave (none under sample-level DP: DP-SGD covers only the
             # update); the Outbox keeps them all in when the policy says so.
             asked = clear_metrics_allowed(self.pinned, task.privacy if private else None)
-            self.metrics.sent(self.outbox.upload(task, tensors, metrics_allowed(metrics, asked), result.skipped,
-                                                 None if result.skipped else charge()))
+            self._upload(task, tensors, metrics_allowed(metrics, asked), result.skipped,
+                         None if result.skipped else charge())
             sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
         if sd.enabled and "sample_dp_epsilon" in metrics:
             spent = " (budget reached: no more training)" if metrics.get("sample_dp_budget_spent") else ""

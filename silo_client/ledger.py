@@ -2,9 +2,11 @@
 
 The hub reports epsilon too, but a branch that must answer for its patients' images cannot rest on the hub's
 numbers: this ledger counts only the rounds THIS silo contributed to (record_round is called for each one), from
-the privacy settings the silo itself applied. It lives in one JSON file, `privacy-ledger.json`, in the silo's
-state folder, written atomically after every change, so a restarted silo continues from it. A damaged file stops
-the silo (LedgerError): deleting it would forget privacy already spent.
+the privacy settings the silo itself applied, once for each update it released: a task trained again (by a silo
+restarted before its upload was accepted) is charged again, while the same bytes sent again cost nothing. It lives
+in one JSON file, `privacy-ledger.json`, in the silo's state folder, written atomically after every change, so a
+restarted silo continues from it. A damaged file stops the silo (LedgerError): deleting it would forget privacy
+already spent.
 
 Two guarantees are tracked apart, because they protect different things against different adversaries:
 
@@ -61,6 +63,10 @@ COMPOSITION = ("image-level epsilon per run: the smaller of the client-level and
                "applied to every contributed round (inf when neither did); lifetime epsilon: the sum of the runs' "
                "image-level epsilons (basic composition), at the sum of those runs' deltas")
 LEAVE_KINDS = ("refused", "breach", "budget")  # the reasons the silo client gives; others are kept as given
+# The figures every audited message derived from a charged update carries (silo_client/outbox.epsilon_fields writes
+# them, silo-audit reads them), and the key naming which of a task's releases the message belongs to.
+EPSILON_KEYS = ("client", "sample", "image", "lifetime")
+RELEASE = "release"
 
 
 class LedgerError(ValueError):
@@ -144,6 +150,9 @@ def _check_run(run_id: str, run: Any) -> str | None:
         z = entry.get("client_dp_noise")
         if z is not None and not (isinstance(z, int | float) and z > 0):
             return f"run {run_id!r} round {entry['round']}: client_dp_noise is {z!r}"
+        release = entry.get(RELEASE, 1)
+        if not isinstance(release, int) or isinstance(release, bool) or release < 1:
+            return f"run {run_id!r} round {entry['round']}: {RELEASE} is {release!r}, not a count from 1"
     return None
 
 
@@ -236,6 +245,11 @@ class BranchLedger:
         """The delta of the lifetime epsilon: the sum of the deltas of the runs that spent anything."""
         return _lifetime_delta(self._data["runs"], exclude_run)
 
+    def releases(self, run_id: str, round_number: int, task: str = "") -> int:
+        """How many times this run's ledger charged a release of `task` in round `round_number` (entries written
+        before releases were numbered count as one each)."""
+        return sum(1 for e in self._run(run_id)["rounds"] if e["round"] == round_number and e.get("task", "") == task)
+
     def client_epsilon_after(self, run_id: str, noise_multiplier: float) -> float:
         """This run's client-level epsilon after one more contributed round at `noise_multiplier` (q = 1); inf
         when a round of this run was already sent without client-level DP. A run not begun yet starts at 0."""
@@ -282,14 +296,13 @@ class BranchLedger:
 
     def record_round(self, run_id: str, round_number: int, *, client_dp_noise: float | None,
                      sample_epsilon: float | None, task: str = "") -> RunEpsilon:
-        """Charge one round this silo contributed to: one client-level step when client_dp_noise is set, and the
-        run's sample-level total when sample_epsilon is given. The same task recorded again (a message resent) is
-        not charged twice; its stored figures are returned. Another task of the same round (the hub retried the
-        round, and the silo trained and released again) is charged again."""
+        """Charge one release of an update this silo trained: one client-level step when client_dp_noise is set,
+        and the run's sample-level total when sample_epsilon is given. Every call is a new release and is charged,
+        the same task included: a silo that trains a task again (its first upload failed, or it restarted) sends
+        a new noised update, and a hub that reports uploads lost must not get fresh samples for free. The entry's
+        `release` numbers the task's releases from 1 (`releases`); resending the same bytes charges nothing and is
+        the client's to do without calling this."""
         run = self._run(run_id)
-        for entry in run["rounds"]:
-            if entry["round"] == round_number and entry.get("task", "") == task:
-                return self._stored(entry)
         if client_dp_noise is not None and not (math.isfinite(client_dp_noise) and client_dp_noise > 0):
             raise LedgerError(f"privacy ledger {self.path}: run {run_id!r} round {round_number}: client_dp_noise "
                               f"must be a positive number or None, got {client_dp_noise}")
@@ -305,7 +318,8 @@ class BranchLedger:
         if sample_epsilon is not None:
             # The running total only grows; a smaller one (a reset DP-SGD ledger) never lowers what was spent.
             run["sample_epsilon"] = _enc(max(_dec(run["sample_epsilon"]) or 0.0, float(sample_epsilon)))
-        entry = {"round": int(round_number), "task": str(task), "time": _now(),
+        release = 1 + self.releases(run_id, round_number, task)
+        entry = {"round": int(round_number), "task": str(task), RELEASE: release, "time": _now(),
                  "client_dp_noise": None if client_dp_noise is None else float(client_dp_noise),
                  "sample_dp": sample_epsilon is not None}
         rounds = [*run["rounds"], entry]

@@ -20,7 +20,7 @@ import torch
 
 from security.audit import AuditLog
 from silo.v1 import silo_pb2
-from silo_client.ledger import RunEpsilon
+from silo_client.ledger import EPSILON_KEYS, RELEASE, RunEpsilon
 from silo_client.policy import BranchPolicy, Refusal, check_upload
 from silo_core.tensors import CHUNK_BYTES, encode, iter_chunks, sha256_hex
 
@@ -37,10 +37,14 @@ class PolicyStop(Exception):
         self.refusal = refusal
 
 
-def epsilon_fields(figures: RunEpsilon | None, lifetime: float | None) -> dict[str, float | None] | None:
+def epsilon_fields(figures: RunEpsilon | None, lifetime: float | None,
+                   release: int = 1) -> dict[str, float | int | None] | None:
+    """What the audit records with every message derived from one charged update: the ledger's figures after it
+    (EPSILON_KEYS) and which of its task's releases it was (RELEASE), so that silo-audit pairs each with its entry."""
     if figures is None:
         return None
-    return {"client": figures.client, "sample": figures.sample, "image": figures.image, "lifetime": lifetime}
+    values = (figures.client, figures.sample, figures.image, lifetime)
+    return {**dict(zip(EPSILON_KEYS, values, strict=True)), RELEASE: release}
 
 
 def metrics_allowed(metrics: Mapping[str, float], asked: list[str]) -> dict[str, float]:

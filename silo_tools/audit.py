@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from security.audit import AUDIT_FILE, ChainReport, verify_chain
-from silo_client.ledger import LEDGER_FILE, LedgerError, read_ledger
+from silo_client.ledger import EPSILON_KEYS, LEDGER_FILE, RELEASE, LedgerError, read_ledger
 
 SENT_WITH_EPSILON = ("upload", "secagg:masked_input")  # the messages that carry a silo's update
-EPSILON_KEYS = ("client", "sample", "image", "lifetime")
 NO_RUN = "(no run)"
 
 
@@ -99,7 +98,7 @@ class Collector:
     """Visits every record once (verify_chain's `visit`), keeping only what the checks and the report need."""
 
     def __init__(self) -> None:
-        self.sent: dict[tuple[str, int, str], list[Audited]] = {}  # (run, round, task) -> records
+        self.sent: dict[tuple[str, int, str, int], list[Audited]] = {}  # (run, round, task, release) -> records
         self.runs: dict[str, RunStats] = {}
 
     def visit(self, line: int, record: dict[str, Any]) -> None:
@@ -126,8 +125,8 @@ class Collector:
         rnd = record.get("round")
         if kind in SENT_WITH_EPSILON and run is not None and isinstance(rnd, int) and not isinstance(rnd, bool):
             stats.rounds.add(rnd)
-            self.sent.setdefault((run_id, rnd, str(record.get("task") or "")), []).append(
-                Audited(line, record.get("seq"), kind, record.get("epsilon", MISSING)))
+            key = (run_id, rnd, str(record.get("task") or ""), _release(record.get("epsilon")))
+            self.sent.setdefault(key, []).append(Audited(line, record.get("seq"), kind, record.get("epsilon", MISSING)))
             if isinstance(record.get("epsilon"), dict):
                 stats.epsilon = record["epsilon"]
 
@@ -135,6 +134,13 @@ class Collector:
 def scan(audit: Path) -> tuple[ChainReport, Collector]:
     collector = Collector()
     return verify_chain(audit, visit=collector.visit), collector
+
+
+def _release(figures: Any) -> int:
+    """Which of its task's charged releases an audited message belongs to (records and ledgers written before
+    releases were numbered had one release a task)."""
+    release = figures.get(RELEASE, 1) if isinstance(figures, dict) else 1
+    return release if isinstance(release, int) and not isinstance(release, bool) else 0
 
 
 def _same(ledger: float | None, audited: Any) -> bool:
@@ -154,17 +160,22 @@ def _show(value: Any) -> str:
     return "null" if value is None else repr(value)
 
 
+def _charge(key: tuple[str, int, str, int]) -> str:
+    run_id, round_number, _, release = key
+    return f"run {run_id} round {round_number}" + (f" (release {release} of its task)" if release != 1 else "")
+
+
 def agreement(ledger: dict[str, Any], collector: Collector) -> tuple[list[str], int]:
     """Where the audit and the ledger disagree, and how many ledger rounds were checked."""
     problems: list[str] = []
-    charged: set[tuple[str, int, str]] = set()
+    charged: set[tuple[str, int, str, int]] = set()
     for run_id, run in ledger["runs"].items():
         for entry in run["rounds"]:
-            key = (run_id, entry["round"], str(entry.get("task") or ""))
+            key = (run_id, entry["round"], str(entry.get("task") or ""), entry.get(RELEASE, 1))
             charged.add(key)
             sent = collector.sent.get(key)
             if not sent:
-                problems.append(f"run {run_id} round {entry['round']}: the ledger charges this round but the audit "
+                problems.append(f"{_charge(key)}: the ledger charges this round but the audit "
                                 f"has no {' or '.join(SENT_WITH_EPSILON)} record for it: it was sent unaudited, or "
                                 "the audit lost records")
                 continue
@@ -172,21 +183,21 @@ def agreement(ledger: dict[str, Any], collector: Collector) -> tuple[list[str], 
                 if rec.epsilon is MISSING or rec.epsilon is None:
                     continue
                 if not isinstance(rec.epsilon, dict):
-                    problems.append(f"{rec.where}: run {run_id} round {entry['round']}: its epsilon is not a record "
+                    problems.append(f"{rec.where}: {_charge(key)}: its epsilon is not a record "
                                     f"of {', '.join(EPSILON_KEYS)}")
                     continue
                 for k in EPSILON_KEYS:
                     mine, theirs = _ledger_value(entry.get(k)), rec.epsilon.get(k)
                     if not _same(mine, theirs):
-                        problems.append(f"{rec.where}: run {run_id} round {entry['round']}: epsilon.{k} is "
+                        problems.append(f"{rec.where}: {_charge(key)}: epsilon.{k} is "
                                         f"{_show(theirs)} but the ledger has {_show(mine)}")
     for key, sent in sorted(collector.sent.items()):
         if key in charged:
             continue
         for rec in sent:
             if rec.epsilon is not MISSING and rec.epsilon is not None:
-                problems.append(f"{rec.where}: run {key[0]} round {key[1]} carries an epsilon but the ledger has no "
-                                "such round (or task): privacy spent that the ledger does not count")
+                problems.append(f"{rec.where}: {_charge(key)} carries an epsilon but the ledger has no such round (or "
+                                "task, or release of it): privacy spent that the ledger does not count")
     return problems, len(charged)
 
 

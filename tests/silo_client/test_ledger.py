@@ -54,14 +54,18 @@ def test_client_level_epsilon_is_the_gaussian_mechanism_at_q_1_per_contributed_r
     assert ledger.runs()["run-1"]["client_accountant"]["history"] == [[1.1, 1.0, 5]]
 
 
-def test_a_round_recorded_twice_is_charged_once(tmp_path):
+def test_a_task_released_twice_is_charged_twice(tmp_path):
+    """A silo that trains the same task again (restarted before the hub took its upload) sends a new noised
+    update: the ledger charges it as a second release, so a hub that reports uploads lost gains no free samples."""
     ledger = BranchLedger(tmp_path)
     begin(ledger, "run-1")
-    first = ledger.record_round("run-1", 1, client_dp_noise=1.1, sample_epsilon=None)
-    again = ledger.record_round("run-1", 1, client_dp_noise=1.1, sample_epsilon=None)
-    assert again == first and first.client == pytest.approx(q1_epsilon(1.1, 1))
+    first = ledger.record_round("run-1", 1, client_dp_noise=1.1, sample_epsilon=None, task="t1")
+    again = ledger.record_round("run-1", 1, client_dp_noise=1.1, sample_epsilon=None, task="t1")
+    assert first.client == pytest.approx(q1_epsilon(1.1, 1))
+    assert again.client == pytest.approx(q1_epsilon(1.1, 2), rel=1e-12) and again.client > first.client
     run = ledger.runs()["run-1"]
-    assert len(run["rounds"]) == 1 and run["client_accountant"]["history"] == [[1.1, 1.0, 1]]
+    assert [(e["round"], e["task"], e["release"]) for e in run["rounds"]] == [(1, "t1", 1), (1, "t1", 2)]
+    assert run["client_accountant"]["history"] == [[1.1, 1.0, 2]] and ledger.releases("run-1", 1, "t1") == 2
 
 
 def test_the_ledger_survives_a_restart(tmp_path):
@@ -74,9 +78,8 @@ def test_the_ledger_survives_a_restart(tmp_path):
     restarted = BranchLedger(tmp_path)
     begin(restarted, "run-1")  # the restarted silo begins the same run again: nothing is reset
     assert restarted.run_epsilon("run-1") == before
-    assert restarted.record_round("run-1", 3, client_dp_noise=1.1, sample_epsilon=None) == before
     fourth = restarted.record_round("run-1", 4, client_dp_noise=1.1, sample_epsilon=None)
-    assert fourth.client == pytest.approx(q1_epsilon(1.1, 4), rel=1e-12)
+    assert fourth.client == pytest.approx(q1_epsilon(1.1, 4), rel=1e-12) and fourth.client > before.client
     assert [r["round"] for r in BranchLedger(tmp_path).runs()["run-1"]["rounds"]] == [1, 2, 3, 4]
 
 
@@ -198,14 +201,12 @@ def test_another_delta_leaves_old_runs_at_theirs_and_sums_the_deltas(tmp_path):
     assert json.loads((tmp_path / LEDGER_FILE).read_text())["delta"] == 1e-6
 
 
-def test_a_retried_round_is_charged_again_and_a_resent_message_is_not(tmp_path):
-    """The hub retried round 1 (a new task): the silo trained and released again, so it pays again; the same task
-    recorded twice (a message resent) pays once."""
+def test_a_retried_round_is_charged_again(tmp_path):
+    """The hub retried round 1 (a new task): the silo trained and released again, so it pays again."""
     ledger = BranchLedger(tmp_path)
     ledger.begin_run("r", hub_serial="1", hub_fingerprint="ab" * 32, terms_sha256="cd" * 32, client_dp_noise=1.0,
                      sample_dp=False)
     first = ledger.record_round("r", 1, client_dp_noise=1.0, sample_epsilon=None, task="r-r1-a1")
-    assert ledger.record_round("r", 1, client_dp_noise=1.0, sample_epsilon=None, task="r-r1-a1") == first
     retried = ledger.record_round("r", 1, client_dp_noise=1.0, sample_epsilon=None, task="r-r1-a2")
     two = PrivacyAccountant("rdp", 1e-5)
     two.step(1.0, 1.0, 2)

@@ -14,6 +14,7 @@ import pytest
 
 from security.audit import AUDIT_FILE, AuditLog, verify_chain
 from silo_client.ledger import LEDGER_FILE, BranchLedger
+from silo_client.outbox import epsilon_fields
 from silo_tools.audit import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,9 +22,9 @@ HUB = {"serial": "1a2b", "fingerprint": "ab" * 32}
 TERMS = "cd" * 32
 
 
-def epsilon_of(ledger: BranchLedger, run: str) -> dict[str, float | None]:
-    e = ledger.run_epsilon(run)
-    return {"client": e.client, "sample": e.sample, "image": e.image, "lifetime": ledger.lifetime_epsilon()}
+def epsilon_of(ledger: BranchLedger, run: str, release: int = 1) -> dict[str, float | int | None]:
+    """What the silo client's Outbox records with a message after the ledger's last charge."""
+    return epsilon_fields(ledger.run_epsilon(run), ledger.lifetime_epsilon(), release)
 
 
 def silo_state(folder: Path) -> Path:
@@ -118,7 +119,25 @@ def test_verify_a_mismatched_epsilon_and_an_upload_the_ledger_never_charged(stat
         f"error: line {seq4} (seq {seq4}, kind upload): run run-a round 4: epsilon.image is {good.image + 0.5!r} "
         f"but the ledger has {good.image!r}",
         f"error: line {seq5} (seq {seq5}, kind upload): run run-a round 5 carries an epsilon but the ledger has no "
-        "such round (or task): privacy spent that the ledger does not count"]
+        "such round (or task, or release of it): privacy spent that the ledger does not count"]
+
+
+def test_verify_pairs_each_release_of_a_task_with_its_own_upload(state, capsys):
+    """A task trained and sent twice (a silo restarted before the hub took its upload) is charged twice; each
+    upload carries its release's figures, and a third charge with no upload is named by its release."""
+    ledger, log = BranchLedger(state), AuditLog(state / AUDIT_FILE)
+    for release in (1, 2):
+        ledger.record_round("run-a", 4, client_dp_noise=1.1, sample_epsilon=1.0, task="t4")
+        log.append("upload", hub=HUB, run="run-a", round=4, task="t4", bytes=1004,
+                   epsilon=epsilon_of(ledger, "run-a", release))
+    code, out, _ = run_cli(capsys, "verify", state)
+    assert code == 0 and out.rstrip().endswith("agrees with the ledger (7 rounds in 3 runs)")
+    ledger.record_round("run-a", 4, client_dp_noise=1.1, sample_epsilon=1.0, task="t4")
+    code, out, _ = run_cli(capsys, "verify", state)
+    assert code == 1
+    assert out.splitlines()[0] == ("error: run run-a round 4 (release 3 of its task): the ledger charges this round "
+                                   "but the audit has no upload or secagg:masked_input record for it: it was sent "
+                                   "unaudited, or the audit lost records")
 
 
 def test_verify_a_hub_folder_checks_the_chain_alone(tmp_path, capsys):

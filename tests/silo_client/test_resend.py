@@ -1,0 +1,95 @@
+"""A hub that reports a silo's upload lost and asks for the same task again gets the same bytes back, over real
+gRPC: the silo does not train and release a second update, its privacy ledger charges the task once, and its
+audit (two uploads of one release) still agrees with the ledger."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from security.audit import AUDIT_FILE
+from silo_client.client import SiloClient, SiloSettings
+from silo_client.ledger import LEDGER_FILE
+from silo_server.app import HubApp
+from silo_server.config import parse_config
+from silo_server.state.registry import Refusal
+from silo_tools.audit import main as silo_audit
+from tests.silo_client.test_cli_errors import write_images
+
+SILOS = ("dev-1", "dev-2")
+
+
+def hub_config(tmp_path):
+    return parse_config({
+        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
+        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
+        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
+        "model": {"options": {"width": 4}},
+        "algorithm": {"name": "semifl", "options": {
+            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
+            "tau": 0.0}},
+        "rounds": {"total": 2, "silos_per_round_count": 2, "min_silos": 2, "quorum": 1.0, "deadline_s": 120},
+        "security": {"allowed_silos": list(SILOS)},
+    }, base=tmp_path)
+
+
+def audited(state, kind):
+    records = [json.loads(line) for line in (state / AUDIT_FILE).read_text().splitlines()]
+    return [r for r in records if r["kind"] == kind]
+
+
+def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_charge(tmp_path, capsys) -> None:
+    app = HubApp(hub_config(tmp_path), insecure_dev_only=True)
+    received: list[tuple[str, int, str, str]] = []  # (silo, round, task, sha256) of every upload the hub read
+    accept = app.hub.upload
+
+    def losing_upload(silo_id, header, chunks):
+        if header["secagg_stage"]:
+            return accept(silo_id, header, chunks)
+        data = b"".join(c for _, c in chunks)
+        received.append((silo_id, header["round"], header["task_id"], header["sha256"]))
+        if silo_id == "dev-1" and header["round"] == 1 and len([r for r in received if r[0] == "dev-1"]) == 1:
+            # Every byte reached the hub, which then says it never arrived.
+            raise Refusal("UNAVAILABLE", "lost", "the hub lost this upload; send it again")
+        return accept(silo_id, header, iter([(0, data)] if data else []))
+
+    app.hub.upload = losing_upload
+    port = app.start_server()
+    clients = []
+    for silo in SILOS:
+        write_images(tmp_path / f"images-{silo}", n=4)
+        clients.append(SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / f"images-{silo}",
+                                               device="cpu", state_dir=tmp_path / f"state-{silo}",
+                                               insecure_dev_silo_id=silo, connect_timeout_s=30)))
+    threads = [threading.Thread(target=c.run_forever, daemon=True) for c in clients]
+    try:
+        for t in threads:
+            t.start()
+        app.run()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        history = app.hub.records.history
+    finally:
+        for c in clients:
+            c.stop_event.set()
+            c.close()
+        app.stop(0)
+
+    assert [r.silos_reported for r in history] == [2, 2]
+    dev1 = [r for r in received if r[0] == "dev-1"]
+    assert [r[1] for r in dev1] == [1, 1, 2]
+    assert dev1[0][2:] == dev1[1][2:]  # the same task, the same bytes: nothing trained or released again
+
+    state = tmp_path / "state-dev-1"
+    ledger = json.loads((state / LEDGER_FILE).read_text())
+    (run,) = ledger["runs"].values()
+    assert [(e["round"], e["task"], e["release"]) for e in run["rounds"]] == [
+        (1, dev1[0][2], 1), (2, dev1[2][2], 1)]
+    uploads = audited(state, "upload")
+    assert [(u["round"], u["sha256"], u["epsilon"]["release"]) for u in uploads] == [
+        (1, dev1[0][3], 1), (1, dev1[0][3], 1), (2, dev1[2][3], 1)]
+    assert uploads[0]["epsilon"] == uploads[1]["epsilon"]
+    capsys.readouterr()
+    assert silo_audit(["verify", str(state)]) == 0
+    assert "agrees with the ledger (2 rounds in 1 runs)" in capsys.readouterr().out
