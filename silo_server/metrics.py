@@ -70,6 +70,10 @@ REFUSAL_REASONS = (
     # silo_server/wire/servicer.py CallLimits
     "too_many_calls", "call_rate",
 )
+# The refusals of an upload that failed validation (servicer.py's header, security/validation.py's checks): the
+# reasons ops/prometheus/alerts.yml's SilokitUpdatesRefused watches.
+MALFORMED_UPDATE_REASONS = ("no_header", "bad_header", "bad_stream", "oversized", "bad_checksum", "bad_payload",
+                            "bad_tensors", "non_finite", "bad_weight", "update_norm", "bad_metrics")
 CALL_METHODS = ("Join", "NextTask", "Download", "Upload", "Leave", "Health")
 # A silo's typed refusals (Leave), by kind and the clause it names (security.terms.CLAUSES, or "other"): a bounded
 # set, exported at zero from the start.
@@ -202,8 +206,8 @@ class _HubStateCollector(Collector):
         now = time.time()
         with hub.cond:
             phase, round_now = hub.rounds.phase, hub.rounds.round
-            silos = [(s, r.last_seen, hub.records.contributed.get(s, 0), r.num_unlabeled, r.skipped_images)
-                     for s, r in sorted(hub.registry.silos.items())]
+            silos = [(s, r.last_seen, hub.records.contributed.get(s, 0), r.num_unlabeled, r.skipped_images,
+                      r.left is not None) for s, r in sorted(hub.registry.silos.items())]
             preparing = len(hub.registry.preparing_silos())
             counters, refusals = dict(hub.registry.counters), dict(hub.registry.refusals)
             task = hub.rounds.task
@@ -364,8 +368,8 @@ class _HubStateCollector(Collector):
                            "the silo.", labels=["silo"])
         is_connected = _gauge("silokit_hub_silo_connected", "1 if the silo was heard from within rounds.liveness_s.",
                               labels=["silo"])
-        silent = _gauge("silokit_hub_silo_rounds_silent", "Rounds completed since the hub last heard from the silo.",
-                        labels=["silo"])
+        silent = _gauge("silokit_hub_silo_rounds_silent", "Rounds completed since the hub last heard from the silo "
+                        "(none for a silo that left the run).", labels=["silo"])
         contributed = _gauge("silokit_hub_silo_rounds_contributed", "Rounds whose sums hold this silo's update "
                              "(the whole run, across hub restarts).", labels=["silo"])
         images = _gauge("silokit_hub_silo_unlabeled_images", "Unlabeled images the silo declared at join.",
@@ -375,10 +379,11 @@ class _HubStateCollector(Collector):
         silo_certs = _gauge("silokit_hub_silo_certificate_remaining_seconds", "Time until the silo's client "
                            "certificate (as presented in its last join) expires.", labels=["silo"])
         ends = self.m.round_ends
-        for silo_id, seen, rounds, n_images, n_skipped in silos:
+        for silo_id, seen, rounds, n_images, n_skipped, departed in silos:
             last_seen.add_metric([silo_id], seen)
             is_connected.add_metric([silo_id], 1.0 if now - seen <= hub.registry.liveness_s else 0.0)
-            silent.add_metric([silo_id], len(ends) - bisect.bisect_right(ends, seen))
+            if not departed:  # a branch that left the run on purpose is not missing (SilokitBranchLeft says so)
+                silent.add_metric([silo_id], len(ends) - bisect.bisect_right(ends, seen))
             contributed.add_metric([silo_id], rounds)
             images.add_metric([silo_id], n_images)
             skipped.add_metric([silo_id], n_skipped)

@@ -247,7 +247,10 @@ class RoundLoop:
         if stage == "advertise_keys":  # the silo's training result is ready (and stays with the silo)
             task.reported.add(silo_id)
             task.report_seconds.append(time.time() - task.started)
+        if stage == "masked_input":  # the update itself, masked: counted as the clear path counts an update
+            self.registry.count("accepted_updates")
         task.bytes_up += total_bytes
+        self.registry.count("received_bytes", total_bytes)
         self.cond.notify_all()
 
     def accept_result(self, silo_id: str, task: ActiveTask, tensors: dict[str, Any], metrics: dict[str, float],

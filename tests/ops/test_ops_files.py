@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_server.config import parse_config
-from silo_server.metrics import HubMetrics
+from silo_server.metrics import MALFORMED_UPDATE_REASONS, REFUSAL_REASONS, HubMetrics
 from tests.silo_server.test_hub import make_hub
 from tools import build_dashboards
 from tools.promstack import DASHBOARDS, alert_rules, alert_signal, dashboard_queries
@@ -51,6 +51,15 @@ def test_every_alert_is_a_signal_against_a_threshold_with_severity_and_guidance(
         assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40, rule["alert"]
     with pytest.raises(ValueError, match="not '<signal> <comparison> <number>'"):
         alert_signal("up == 0 or absent(up)")  # a shape the e2e test could not check: refused
+
+
+def test_the_malformed_update_alert_watches_every_reason_validation_refuses_an_upload_for():
+    (rule,) = [r for r in alert_rules() if r["alert"] == "SilokitUpdatesRefused"]
+    watched = re.search(r'reason=~"([^"]+)"', rule["expr"]).group(1).split("|")
+    assert sorted(watched) == sorted(MALFORMED_UPDATE_REASONS) and set(watched) <= set(REFUSAL_REASONS)
+    source = "".join((ROOT / f).read_text() for f in ("security/validation.py", "silo_server/wire/servicer.py"))
+    raised = set(re.findall(r'(?:_bad|Invalid|refuse)\((?:silo_id, )?(?:"[A-Z_]+", )?"([a-z_]+)"', source))
+    assert set(MALFORMED_UPDATE_REASONS) <= raised, sorted(set(MALFORMED_UPDATE_REASONS) - raised)
 
 
 def exported_metric_names(state_dir: Path) -> set[str]:

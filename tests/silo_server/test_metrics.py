@@ -18,7 +18,9 @@ from silo_core.rounds import RoundRecord, Scores, SecAggRound, threshold_metric
 from silo_server.hub import Refusal
 from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
 from silo_server.rounds.privacy import PrivacySection
+from silo_server.state.registry import Departure
 from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
+from tests.silo_server.test_privacy import SECAGG
 from tests.silo_server.test_privacy import Silo as PrivateSilo
 from tests.silo_server.test_privacy import make as make_private_hub
 
@@ -143,6 +145,24 @@ def test_round_records_feed_accuracy_thresholds_privacy_and_secagg(tmp_path):
     assert s[("silokit_hub_round_duration_seconds_bucket", (("le", "5.0"),))] == 1
 
 
+def test_a_secure_round_counts_its_masked_inputs_and_every_stage_byte_as_received(tmp_path):
+    """Under secure aggregation the update arrives as a masked input: the Updates and Traffic panels must not read
+    0 while rounds complete."""
+    hub = make_private_hub(tmp_path, PrivacySection(secure_aggregation=SECAGG), quorum=1.0)
+    m = HubMetrics(hub)
+    silos = [PrivateSilo(hub, f"s{i}", 1.0 + i) for i in range(5)]
+    for silo in silos:
+        silo.start()
+    hub.run()
+    for silo in silos:
+        silo.join(5)
+    s = samples(m)
+    (record,) = hub.records.history
+    assert record.secagg.contributors == 5 and record.bytes_up > 0
+    assert s[("silokit_hub_updates_accepted_total", (("kind", "update"),))] == 5
+    assert s[("silokit_hub_received_bytes_total", ())] == record.bytes_up
+
+
 def test_a_dp_run_through_the_hub_core_exports_the_epsilon_it_spent_and_its_budget(tmp_path):
     """The privacy layer, the hub and the exporter together: what the hub charged is what the gauges show."""
     section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=200.0, epsilon_budget=20.0))
@@ -214,6 +234,22 @@ def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_pa
     s = samples(m)
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "chatty"),))] == 0
+
+
+def test_a_silo_that_left_the_run_is_not_counted_silent(tmp_path):
+    """A branch whose policy ended its part (Leave) stops polling on purpose: SilokitSiloSilent must not page for
+    it (SilokitBranchLeft does, once, by kind and clause)."""
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    hub.join("leaver", 5, 0, "cpu")
+    hub.join("quiet", 5, 0, "cpu")
+    hub.leave("leaver", hub.run_id, Departure("budget", "lifetime_epsilon", "3", "3.2", "budget spent", 0))
+    for r in (1, 2, 3):
+        m.on_round(RoundRecord(round=r))
+    s = samples(m)
+    assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3
+    assert ("silokit_hub_silo_rounds_silent", (("silo", "leaver"),)) not in s
+    assert s[("silokit_hub_silo_departures_total", (("clause", "lifetime_epsilon"), ("kind", "budget")))] == 1
 
 
 def test_certificate_time_left_for_the_hub_the_ca_and_each_silo(tmp_path):
