@@ -29,7 +29,8 @@ from security.tls import TlsError
 
 # What the operator runs next with a bundle; kept here so the wording follows the other CLIs in one place.
 _HUB_NEXT = (
-    "copy {out} to the hub machine and run silo-server with it as its certificate bundle (--certs {out})"
+    "copy {out} to the hub machine, name it in hub.yaml as the hub's certificate bundle (server.certs: {out}, or "
+    "where you copied it) and run silo-server --config hub.yaml"
 )
 _SILO_NEXT = "copy {out} to the branch '{name}' and run silo-client --certs {out} ..."
 _CRL_NEXT = (

@@ -246,12 +246,13 @@ def check_secure_aggregation_fits(config: dict[str, Any], silos: int) -> None:
     section = config.get("privacy", {}).get("secure_aggregation", {})
     if not section.get("enabled"):
         return
-    fewest = SecAggParams.model_validate(section).fewest_silos()
+    params = SecAggParams.model_validate(section)
+    fewest = params.fewest_sampled()
     if silos < fewest:
-        dropouts = section.get("dropouts", 1)
-        raise ValueError(f"secure aggregation needs at least {fewest} silos in a round to survive {dropouts} "
-                         f"dropout(s); run --silos {fewest} or more, or accept no dropout tolerance with "
-                         "--hub-set privacy.secure_aggregation.dropouts=0")
+        raise ValueError(f"secure aggregation needs at least {fewest} silos in a round to survive {params.dropouts} "
+                         f"dropout(s) and hold min_cohort {params.min_cohort}; run --silos {fewest} or more, or "
+                         "accept no dropout tolerance with --hub-set privacy.secure_aggregation.dropouts=0 (and a "
+                         "smaller privacy.secure_aggregation.min_cohort)")
 
 
 class Staging:

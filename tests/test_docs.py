@@ -1,7 +1,11 @@
 """The README's config reference must cover every hub.yaml key and every option of every algorithm."""
 
+import re
 from pathlib import Path
 
+import yaml
+
+from security.secagg.params import SecAggParams
 from silo_core.algorithms import ALGORITHMS
 from silo_core.algorithms.base import SGDOptions, StrongAugmentOptions
 from silo_core.algorithms.semifl import SemiFLOptions
@@ -108,3 +112,12 @@ def test_the_bring_your_own_model_examples_work(tmp_path, monkeypatch):
                      options=section.options, factory=section.factory)
     model = spec.build()
     assert sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) == 5  # depth 5 from options
+
+
+def test_the_example_hub_config_says_how_many_silos_secure_aggregation_needs():
+    """Turning secure aggregation on in examples/hub.yaml must not leave the hub waiting for a silo the comment
+    never asked for: the number it names is the one the hub plans with."""
+    text = (Path(__file__).resolve().parent.parent / "examples" / "hub.yaml").read_text()
+    (named,) = re.findall(r"needs >= (\d+) silos per round", text)
+    section = yaml.safe_load(text)["privacy"]["secure_aggregation"]
+    assert int(named) == SecAggParams.model_validate({**section, "enabled": True}).fewest_sampled() == 4

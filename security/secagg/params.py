@@ -79,6 +79,11 @@ class SecAggParams(StrictConfig):
         raise ValueError(f"no round of up to {limit} silos survives {self.dropouts} dropouts with threshold "
                          f"{self.threshold:g} and neighbours {self.neighbours}: lower dropouts or threshold")
 
+    def fewest_sampled(self) -> int:
+        """The fewest silos a round samples (and the hub waits for): enough to survive `dropouts`, and at least
+        `min_cohort`. The hub, its --check and silo-sim's size check all ask this one method."""
+        return max(self.fewest_silos(), self.min_cohort)
+
     @model_validator(mode="after")
     def _dropouts_possible(self) -> SecAggParams:
         if self.enabled:

@@ -222,7 +222,7 @@ class HubPrivacy:
     def fewest_sampled(self) -> int:
         """Secure aggregation: the fewest silos a round may sample and still survive `dropouts` and hold the pinned
         cohort (1 without it)."""
-        return max(self.secagg.fewest_silos(), self.secagg.min_cohort) if self.secagg is not None else 1
+        return self.secagg.fewest_sampled() if self.secagg is not None else 1
 
     @staticmethod
     def drop(rp: RoundPrivacy, silo_id: str) -> None:
@@ -421,10 +421,10 @@ def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: 
     if not sa.enabled:
         lines.append("secure aggregation: off (the hub sees each silo's update and checks each one)")
     else:
-        fewest = sa.fewest_silos()
+        fewest = sa.fewest_sampled()
         shape = sa.plan(max(fewest, sampled or 0))
         lines.append(f"secure aggregation: rounds sample at least {fewest} silos to survive {sa.dropouts} dropout(s) "
-                     f"(privacy.secure_aggregation.dropouts); with {shape.sampled} sampled: {shape.neighbours} "
+                     f"(privacy.secure_aggregation.dropouts) and hold min_cohort {sa.min_cohort}; with {shape.sampled} sampled: {shape.neighbours} "
                      f"neighbours, threshold {shape.threshold}, survives {shape.survives}")
         if max_update_norm is not None and not dp.enabled:
             lines.append(f"bound not enforced per silo: security.max_update_norm ({max_update_norm:g}) cannot be "

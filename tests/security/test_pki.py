@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -16,10 +18,23 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from security import pki
 from security.cli import main
 from security.pki import store
+from silo_client.cli import build_parser as silo_client_parser
+from silo_server.cli import build_parser as silo_server_parser
 
 
 def _cert(path: Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def _flags_after(out: str, command: str) -> set[str]:
+    """The --flags the printed "next" step passes to `command` (on the same line, after its name)."""
+    lines = [line.split(command, 1)[1] for line in out.splitlines() if command in line]
+    assert lines, f"{command} is not named in {out!r}"
+    return {flag for line in lines for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line)}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for action in parser._actions for o in action.option_strings}
 
 
 def _mode(path: Path) -> int:
@@ -270,6 +285,8 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     )
     out = capsys.readouterr().out
     assert "hub.lan, 10.1.2.3" in out and str(hub / "key.pem") in out and f"copy {hub}" in out
+    assert f"server.certs: {hub}" in out  # silo-server takes its bundle from hub.yaml: it has no --certs
+    assert _flags_after(out, "silo-server") <= _options(silo_server_parser()), out
     san = _cert(hub / "cert.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["hub.lan"]
 
@@ -279,7 +296,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     silo = tmp_path / "pki" / "silos" / "branch-01"
     assert pki.cert_common_name((silo / "cert.pem").read_bytes()) == "branch-01"
     assert _mode(silo / "key.pem") == 0o600
-    assert f"silo-client --certs {silo}" in out
+    assert f"silo-client --certs {silo}" in out and _flags_after(out, "silo-client") <= _options(silo_client_parser())
 
     assert main(["issue-silo", "branch-02", "--ca", str(ca), "--out", str(tmp_path / "b2")]) == 0
     assert (tmp_path / "b2" / "cert.pem").is_file()

@@ -87,6 +87,9 @@ def test_silo_sim_refuses_a_secure_federation_too_small_for_its_dropout_toleranc
     check_secure_aggregation_fits(secure, 4)
     check_secure_aggregation_fits({"privacy": {"secure_aggregation": {"enabled": True, "dropouts": 0}}}, 3)
     check_secure_aggregation_fits({}, 1)
+    # The cohort the hub pins counts too: the hub would wait for a fifth silo that never comes.
+    with pytest.raises(ValueError, match="needs at least 5 silos in a round to survive 1 dropout.* min_cohort 5"):
+        check_secure_aggregation_fits({"privacy": {"secure_aggregation": {"enabled": True, "min_cohort": 5}}}, 4)
 
 
 def test_the_summary_counts_the_silos_handed_the_model_outside_the_sample():
