@@ -411,7 +411,7 @@ class HubApp:
             self.export(state)
             self.done_at = time.time()
             linger_until = time.time() + self.config.server.linger_s
-            stay_until = time.time() + min(self.config.server.min_linger_s, self.config.server.linger_s)
+            stay_until = time.time() + self.config.server.min_linger_s  # at most linger_s (config.py checks)
             while time.time() < linger_until and not self.hub.stop_event.is_set():
                 if time.time() >= stay_until and not self._silos_still_waiting():
                     break

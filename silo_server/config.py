@@ -94,6 +94,13 @@ class ServerSection(StrictConfig):
     min_linger_s: float = Field(0.0, ge=0, le=DAY_S, description="and at least this long (e.g. for a Prometheus "
                                 "to scrape the final state of a short run)")
 
+    @model_validator(mode="after")
+    def _linger_order(self) -> ServerSection:
+        if self.min_linger_s > self.linger_s:
+            raise ValueError(f"min_linger_s ({self.min_linger_s:g}) is above linger_s ({self.linger_s:g}), the most "
+                             f"the hub stays after the run: raise linger_s to at least {self.min_linger_s:g}")
+        return self
+
 
 class DataSection(StrictConfig):
     labeled: DataSource

@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="algorithm option (repeatable), e.g. --option tau=0.9 --option local_epochs=2")
     p.add_argument("--hub-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="set any hub.yaml key (YAML value), e.g. privacy.secure_aggregation.enabled=true; repeatable")
+                   help="set a hub.yaml key (YAML value), e.g. privacy.secure_aggregation.enabled=true; repeatable; "
+                        "not those silo-sim's own flags set (run.state_dir, run.seed, rounds.total, algorithm.name, "
+                        "data)")
     p.add_argument("--model", choices=["small_cnn", "wrn28_2"], default="small_cnn",
                    help="network (both take any image size, grayscale or colour)")
     p.add_argument("--data", default="demo", metavar="SOURCE", help=f"the images: {DATA_HELP}")
@@ -218,6 +220,14 @@ def validation_per_class(args: argparse.Namespace, needed: bool) -> int | None:
     return 20 if needed else None
 
 
+# hub.yaml keys silo-sim sets from its own flags and reads back itself (where the hub's state is, how many rounds
+# its progress and baseline cover, which seed and algorithm its baseline uses, the data it staged): --hub-set on
+# one of them would change the hub alone, and the simulator would wait on, or compare against, the wrong thing.
+OWNED_HUB_KEYS = {"run.state_dir": "--workdir (the hub's state is WORKDIR/hub/state)", "run.seed": "--seed",
+                  "rounds.total": "--rounds", "algorithm.name": "--algorithm", "data": "the staging flags "
+                  "(--data, --labels-per-class, --test-per-class, ...)"}
+
+
 def apply_hub_settings(config: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
     """--hub-set privacy.dp.enabled=true: set one hub.yaml key (a dotted path) to a YAML value, in place.
     The result is checked like a hub.yaml, so a typo fails here with the key named."""
@@ -229,6 +239,10 @@ def apply_hub_settings(config: dict[str, Any], pairs: list[str]) -> dict[str, An
         if not sep or len(keys) < 2 or not all(keys):
             raise ValueError(f"--hub-set {pair!r} must look like SECTION.KEY=VALUE, e.g. "
                              "privacy.secure_aggregation.enabled=true")
+        owner = next((flag for key, flag in OWNED_HUB_KEYS.items() if path == key or path.startswith(key + ".")),
+                     None)
+        if owner is not None:
+            raise ValueError(f"--hub-set {path}: silo-sim sets this key itself; use {owner}")
         node = config
         for key in keys[:-1]:
             node = node.setdefault(key, {})

@@ -44,6 +44,15 @@ def read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
     return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
 
 
+def hub_final_scrape_s(staged) -> float:
+    """How long the hub waits for a last scrape (its metrics.final_scrape_s): every silo host waits as long, so
+    that one --hub-set moves both ends of the run's final metrics."""
+    from silo_server.config import MetricsSection
+
+    metrics = yaml.safe_load(staged.hub_config.read_text()).get("metrics") or {}
+    return float(metrics.get("final_scrape_s", MetricsSection.model_fields["final_scrape_s"].default))
+
+
 def hub_port(staged) -> int:
     """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
     hub.yaml's server.port, or (0, the sim's default) a free one picked here, below the ephemeral range, and handed
@@ -158,12 +167,13 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                                   args.workers)
         hub_address = f"{getattr(args, 'hub_host', '127.0.0.1')}:{port}"
         metrics_files, ray_specs = [], []
+        final_scrape_s = hub_final_scrape_s(staged)
         for w in range(workers):
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")
             metrics_files[-1].unlink(missing_ok=True)
             spec = {
                 "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
-                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]),
+                "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]), "metrics_final_scrape_s": final_scrape_s,
                 "watched": bool(getattr(args, "prometheus_targets", None)),
                 "ship_files": bool(getattr(args, "ship_silo_files", False)),
                 "load_when_sampled": not getattr(args, "load_at_join", False),

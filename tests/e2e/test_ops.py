@@ -67,7 +67,7 @@ def test_every_dashboard_and_alert_query_returns_data_from_a_real_run(tmp_path):
              "--option", "tau=0.0", "--option", "local_epochs=1", "--no-baseline",
              # silo-sim keeps the hub up 30 s after the run for a Prometheus that scrapes every 15 s; this one
              # scrapes every second (and the hub still waits for one scrape of its final values).
-             "--hub-set", "server.min_linger_s=3", "--workdir",
+             "--hub-set", "server.min_linger_s=3", "--hub-set", "metrics.final_scrape_s=20", "--workdir",
              str(tmp_path / "sim"), "--prometheus-targets", str(prom.targets)],
             stdout=open(tmp_path / "sim.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -75,6 +75,9 @@ def test_every_dashboard_and_alert_query_returns_data_from_a_real_run(tmp_path):
         hub_url = "http://" + wait_for(lambda: (targets(prom, "hub") or [None])[0], 120, "the hub's metrics target")
         worker_urls = ["http://" + t for t in wait_for(lambda: targets(prom, "silos"), 60, "worker targets")]
         assert len(worker_urls) == WORKERS
+        # The silo hosts wait for a last scrape as long as the hub does (its metrics.final_scrape_s).
+        specs = [json.loads((tmp_path / "sim" / f"worker-{w}.json").read_text()) for w in range(WORKERS)]
+        assert [spec["metrics_final_scrape_s"] for spec in specs] == [20.0] * WORKERS
 
         # Mid-run, once a round is done: the endpoints as Prometheus reads them pass promtool's linter.
         wait_for(lambda: "silokit_hub_rounds_completed 1.0" in fetch(hub_url + "/metrics") or sim.poll() is not None,

@@ -30,6 +30,8 @@ def test_defaults_are_the_papers_and_paths_resolve_next_to_the_file(tmp_path):
         ({"data": {"labeled": {"kind": "imagefolder"}}}, "needs 'path'"),
         ({"run": {}}, "missing required key 'data'"),
         ({**BASE, "server": {"port": 70000}}, "bad value for 'server.port'"),
+        # "at least 60 s" and "at most 15 s" cannot both hold: said, not quietly cut to 15
+        ({**BASE, "server": {"min_linger_s": 60}}, "min_linger_s (60) is above linger_s (15)"),
     ],
 )
 def test_bad_configs_name_the_key(raw, message):

@@ -21,12 +21,18 @@ def test_dotted_keys_set_yaml_values_in_nested_sections():
     ("privacy.dp.enabeld=true", "unknown key 'privacy.dp.enabeld'"),
     ("privacy=true", "must look like SECTION.KEY=VALUE"),
     ("rounds.total", "must look like SECTION.KEY=VALUE"),
-    ("algorithm.name.x=1", "name is a value, not a section"),
+    ("wire.half_precision.x=1", "half_precision is a value, not a section"),
+    # Keys silo-sim sets from its own flags and reads back: the hub alone would follow a --hub-set on them.
+    ("run.state_dir=elsewhere", r"silo-sim sets this key itself; use --workdir"),
+    ("rounds.total=3", "use --rounds"),
+    ("run.seed=7", "use --seed"),
+    ("algorithm.name=fedseal", "use --algorithm"),
+    ("data.labeled.kind=demo", "use the staging flags"),
     ("privacy.sample_dp.enabled=true", "model.options.norm: group"),
 ])
 def test_bad_settings_fail_before_anything_starts_with_the_key_named(pair, message):
     with pytest.raises(ValueError, match=message):
-        apply_hub_settings({"algorithm": {"name": "semifl", "options": {}}}, [pair])
+        apply_hub_settings({"algorithm": {"name": "semifl", "options": {}}, "wire": {"half_precision": False}}, [pair])
 
 
 def test_the_summary_marks_the_round_the_hub_kept_as_its_best_model():
