@@ -24,7 +24,7 @@ from PIL import Image, ImageDraw, ImageFont
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from silo_core.data import IMAGE_EXTENSIONS, DataError, list_image_files, load_image_file
+from silo_core.data import IMAGE_EXTENSIONS, DataError, class_folder_name, list_image_files, load_image_file
 from silo_core.training import resolve_device
 from silo_tools.card import CardError, TrainedModel, add_model_arguments, error, load_trained_model
 
@@ -61,11 +61,16 @@ def labeled_files(root: Path, classes: list[str]) -> tuple[list[tuple[Path, int]
     if not folders:
         raise DataError(f"labeled folder {root} has no class sub-folders; put each class's images in a sub-folder "
                         f"named as the model's class (e.g. {root}/{classes[0]}/1.png), or pass it as DIR instead")
-    unknown = [d.name for d in folders if d.name not in classes]
+    # A folder is named as its class, or as silokit writes class folders (class_folder_name: "0_T-shirt_top", as a
+    # class name may hold a "/" no folder can).
+    index = {**{class_folder_name(k, c, len(classes)): k for k, c in enumerate(classes)},
+             **{c: k for k, c in enumerate(classes)}}
+    unknown = [d.name for d in folders if d.name not in index]
     if unknown:
+        written = ", ".join(class_folder_name(k, c, len(classes)) for k, c in enumerate(classes))
         raise DataError(f"{root}/{unknown[0]} is not one of the model's classes ({', '.join(classes)}); name each "
-                        f"class folder as the model card's classes")
-    files = [(path, classes.index(d.name)) for d in folders for path in list_image_files(d)]
+                        f"class folder as the model card's class, or as silokit writes them ({written})")
+    files = [(path, index[d.name]) for d in folders for path in list_image_files(d)]
     loose = [(f, "not inside a class sub-folder; ignored") for f in sorted(root.iterdir())
              if f.is_file() and f.name.lower().endswith(IMAGE_EXTENSIONS)]
     return files, loose

@@ -118,15 +118,17 @@ def read_run_weights(directory: Path | str, spec: ModelSpec) -> dict[str, torch.
         try:
             card = json.loads(card_path.read_text())["model"]
             theirs = {key: card.get(key) for key in ("name", "factory", "in_channels", "num_classes")}
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            # Group and batch norm hold tensors of the same shapes: only the card tells them apart.
+            theirs["options.norm"] = str((card.get("options") or {}).get("norm", "batch"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{card_path} is not a silokit model card ({type(err).__name__}: {err})") from None
         ours = {"name": spec.name, "factory": spec.factory, "in_channels": spec.in_channels,
-                "num_classes": spec.num_classes}
+                "num_classes": spec.num_classes, "options.norm": spec.norm}
         wrong = [key for key in ours if theirs[key] != ours[key]]
         if wrong:
             said = ", ".join(f"{k} {theirs[k]!r} there, {ours[k]!r} here" for k in wrong)
             raise ValueError(f"model.init_from_run: the run in {directory} trained another model ({said}); "
-                             f"match model.name/in_channels to it, or start from its weights with model.init_weights: "
+                             f"match model.name/in_channels/options.norm to it, or start from its weights with model.init_weights: "
                              f"{directory / RUN_WEIGHTS} (a different class count re-initialises the classifier)")
     return read_weights(directory / RUN_WEIGHTS)
 

@@ -125,6 +125,13 @@ def test_init_from_run_reads_an_earlier_runs_model_and_checks_its_card(tmp_path)
     other = ModelSpec(num_classes=7, options={"width": 4})
     with pytest.raises(ValueError, match="num_classes 10 there, 7 here.*model.init_weights"):
         read_run_weights(tmp_path, other)
+    # Group norm's weights have batch norm's shapes: the card's options.norm tells them apart, both ways.
+    with pytest.raises(ValueError, match="options.norm 'batch' there, 'group' here"):
+        read_run_weights(tmp_path, ModelSpec(options={"width": 4, "norm": "group"}))
+    card["model"]["options"] = {"width": 4, "norm": "group"}
+    (tmp_path / "model_card.json").write_text(json.dumps(card))
+    with pytest.raises(ValueError, match="options.norm 'group' there, 'batch' here"):
+        read_run_weights(tmp_path, spec)
 
 
 # Each algorithm with no hub training before round 1, so its starting model is exactly what it loaded.

@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 
 from silo_core.augment import to_float
-from silo_core.data import load_image_file, load_labeled_folder
+from silo_core.data import DataError, class_folder_name, load_image_file, load_labeled_folder
 from silo_core.training import evaluate
 from silo_tools.card import CardError, load_trained_model
-from silo_tools.predict import labeled_metrics, main
+from silo_tools.predict import labeled_files, labeled_metrics, main
 from tests.conftest import ROOT
 from tests.silo_tools.state import CLASSES, tiny_spec, write_images, write_state
 
@@ -206,6 +206,21 @@ def test_errors_are_one_line_naming_the_fault(tmp_path, capsys):
     (tmp_path / "labeled" / "z_zebra").mkdir(parents=True)
     assert "not one of the model's classes" in one_line_error(
         run("--model", state, "--labeled", tmp_path / "labeled", "--out", tmp_path / "q.csv"))
+
+
+def test_class_folders_may_be_named_as_silokit_writes_them_when_a_class_name_holds_a_slash(tmp_path):
+    """Fashion-MNIST's "T-shirt/top" (the demo data's and a torchvision hub's first class) can name no folder:
+    a folder named as silokit writes it ("0_T-shirt_top") scores as that class, one named as the class as that."""
+    classes = ["T-shirt/top", "Trouser", "Pullover"]
+    write_images(tmp_path / class_folder_name(0, classes[0], 3), 2)
+    write_images(tmp_path / "Pullover", 1)
+    files, loose = labeled_files(tmp_path, classes)
+    assert [(p.parent.name, k) for p, k in files] == [("0_T-shirt_top", 0), ("0_T-shirt_top", 0), ("Pullover", 2)]
+    assert loose == []
+    write_images(tmp_path / "T-shirt_top", 1)  # neither the class nor silokit's name for it
+    with pytest.raises(DataError, match=r"T-shirt_top is not one of the model's classes .* silokit writes them "
+                                        r"\(0_T-shirt_top, 1_Trouser, 2_Pullover\)"):
+        labeled_files(tmp_path, classes)
 
 
 FACTORY = "tests.model_factories:tiny_net"
