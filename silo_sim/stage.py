@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from PIL import Image
 
 from security.pki import init_ca, issue_hub, issue_silos
 from silo_core.data import (
@@ -41,6 +40,7 @@ from silo_core.data import (
     ImageFiles,
     ImageSet,
     class_folder_name,
+    image_form,
     list_image_files,
     load_demo,
     load_torchvision,
@@ -135,9 +135,9 @@ def _folder_source(folder: Path, image_size: int | None) -> SimData:
     if len(class_dirs) < 2 or not paths:
         raise DataError(f"--data {folder}: needs a folder of class sub-folders (at least two) holding images, "
                         f"e.g. {folder}/cat/1.jpg and {folder}/dog/2.jpg")
-    with Image.open(paths[0]) as first:  # the model's input follows the data: grayscale or colour, its size
-        channels = 1 if first.mode in ("1", "L", "I", "I;16", "F") else 3
-        size = image_size or min(first.size)
+    # The model's input follows the data, read as the loader reads it: grayscale or colour, its size.
+    channels, side = image_form(paths[0])
+    size = image_size or side
     images = ImageFiles(paths, size, channels, workers=0)
     train = ImageSet(images, torch.tensor(labels, dtype=torch.int64), [d.name for d in class_dirs])
     return SimData(train, None, size, channels, f"{len(paths)} images in {len(class_dirs)} classes under {folder}")

@@ -31,7 +31,7 @@ from silo_core.data.datasets import (
     load_demo,
     load_torchvision,
 )
-from silo_core.data.decoding import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, DataError, load_image_file
+from silo_core.data.decoding import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, DataError, image_form, load_image_file
 from silo_core.data.folders import (
     count_image_files,
     list_image_files,
@@ -55,6 +55,6 @@ __all__ = [
     "DEFAULT_CACHE_MB", "DEFAULT_LOADER_WORKERS", "DEMO_FILE", "FASHION_MNIST_CLASSES", "IMAGE_EXTENSIONS",
     "MAX_IMAGE_PIXELS", "MNIST_CLASSES", "TORCHVISION_DATASETS", "DataError", "ImageFiles", "ImageSet", "Images",
     "class_folder_name", "count_image_files", "fits_in_memory", "image_batches", "list_image_files",
-    "load_demo", "load_image_file", "load_labeled_folder", "load_torchvision", "load_unlabeled_folder",
+    "image_form", "load_demo", "load_image_file", "load_labeled_folder", "load_torchvision", "load_unlabeled_folder",
     "padded_image_batches", "readable", "save_png_folder",
 ]

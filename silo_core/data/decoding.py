@@ -145,6 +145,24 @@ def decode_file(path: Path, image_size: int, channels: int) -> np.ndarray:
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
+GRAY_MODES = ("1", "L", "LA", "I", "F", "I;16", "I;16B", "I;16L", "I;16N")
+
+
+def image_form(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(channels, smaller side) a model should take for this file, read as decode_file reads it (a .dcm through
+    silo_core.dicom): 1 for grayscale (16-bit, float and palette images of grays included), 3 otherwise."""
+    path = Path(path)
+    try:
+        with _open_regular_file(path) as fh, _open_image(fh, path) as img:
+            gray = img.mode in GRAY_MODES
+            if img.mode == "P":
+                palette = img.getpalette() or []
+                gray = all(palette[i] == palette[i + 1] == palette[i + 2] for i in range(0, len(palette) - 2, 3))
+            return (1 if gray else 3), min(img.size)
+    except Exception as exc:  # as load_image_file: one clear line
+        raise DataError(f"cannot read image {path}: {refusal_reason(exc)}; replace or delete the file") from exc
+
+
 def load_image_file(path: str | os.PathLike[str], image_size: int, channels: int) -> torch.Tensor:
     """One image file as uint8 C x H x W, converted to ``channels`` and resized to ``image_size``."""
     check_format(image_size, channels)

@@ -109,6 +109,14 @@ def test_dashboards_are_up_to_date_and_use_the_provisioned_datasource_on_a_clean
     assert {"Rounds", "Silos", "Test accuracy", "Privacy (epsilon)"} <= titles  # what the issue asks to see
 
 
+def test_the_compose_steps_hand_the_hub_key_to_the_containers_user():
+    """silo-certs writes key.pem 0600 for whoever ran it; the hub container runs as the Dockerfile's user, so the
+    documented steps must give that uid the bundle, or the hub cannot read its key and restarts forever."""
+    uid = re.search(r"useradd --system --uid (\d+)", (OPS / "compose/Dockerfile").read_text()).group(1)
+    for text in ((OPS / "compose/compose.yaml").read_text(), (ROOT / "docs/operations.md").read_text()):
+        assert f"chown -R {uid} ops/compose/pki/hub" in text
+
+
 def test_grafana_provisioning_and_compose_agree_on_paths():
     compose = yaml.safe_load((OPS / "compose/compose.yaml").read_text())
     provider = yaml.safe_load((OPS / "grafana/provisioning/dashboards/silokit.yml").read_text())["providers"][0]

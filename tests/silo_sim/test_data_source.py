@@ -52,6 +52,30 @@ def test_a_folder_source_is_split_and_linked_with_the_model_input_taken_from_its
         assert [f"class{k}" for k in truth] == [by_inode[p.stat().st_ino] for p in files]
 
 
+def test_a_folder_sources_model_input_is_read_as_the_loader_reads_its_images(tmp_path) -> None:
+    """16-bit and gray-palette PNGs are grayscale to the loader, so to the staged model too; a DICOM folder (which
+    plain Pillow cannot open) is read through silo_core.dicom, as the hub, the silos and predict read it."""
+    pytest.importorskip("pydicom", reason="needs pydicom: pip install 'silokit[dicom]'")
+    from tests.dicom_files import png_to_dicom
+
+    rng = np.random.default_rng(0)
+    for k in range(2):
+        (tmp_path / "wide" / f"c{k}").mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 65535, (20, 24), dtype=np.uint16)).save(tmp_path / "wide" / f"c{k}" / "a.png")
+        gray = Image.fromarray(rng.integers(0, 255, (20, 24), dtype=np.uint8)).convert("P")
+        gray.save(tmp_path / "wide" / f"c{k}" / "b.png")
+        (tmp_path / "scans" / f"c{k}").mkdir(parents=True)
+        for i in range(2):
+            png = tmp_path / "scans" / f"c{k}" / f"{i}.png"
+            Image.fromarray(rng.integers(0, 255, (30, 26), dtype=np.uint8)).save(png)
+            png_to_dicom(png)
+    assert Image.open(next((tmp_path / "wide" / "c0").glob("a.png"))).mode.startswith("I")
+    wide = load_source(str(tmp_path / "wide"))
+    assert (wide.channels, wide.image_size) == (1, 20)
+    scans = load_source(str(tmp_path / "scans"))
+    assert (scans.channels, scans.image_size, len(scans.train)) == (1, 26, 4)
+
+
 def test_bad_sources_are_refused_with_what_to_pass(tmp_path) -> None:
     with pytest.raises(DataError, match="not a folder nor one of the known sources"):
         load_source(str(tmp_path / "missing"))
