@@ -44,6 +44,14 @@ def read_history(path: Path) -> tuple[list[RoundRecord], Scores]:
     return records_from_json(saved.get("rounds", [])), Scores.from_json(saved.get("initial", {}))
 
 
+def host_threads(cores: int, hosts: int, silo_cpus: float | None = None) -> int:
+    """Torch threads for one silo host: on Ray, the CPUs its actor reserved (--silo-cpus: one silo at work, on
+    whichever node Ray placed it); as local worker processes, this machine's cores shared out among them."""
+    if silo_cpus is not None:
+        return max(1, int(silo_cpus))
+    return max(1, cores // max(1, hosts))
+
+
 def hub_final_scrape_s(staged) -> float:
     """How long the hub waits for a last scrape (its metrics.final_scrape_s): every silo host waits as long, so
     that one --hub-set moves both ends of the run's final metrics."""
@@ -172,7 +180,8 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")
             metrics_files[-1].unlink(missing_ok=True)
             spec = {
-                "hub": hub_address, "device": args.device, "threads": max(1, cores // workers),
+                "hub": hub_address, "device": args.device,
+                "threads": host_threads(cores, workers, ray_hosts.silo_cpus if ray_hosts is not None else None),
                 "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]), "metrics_final_scrape_s": final_scrape_s,
                 "watched": bool(getattr(args, "prometheus_targets", None)),
                 "ship_files": bool(getattr(args, "ship_silo_files", False)),
@@ -197,7 +206,8 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                                    + (logs / "hub.log").read_text()[-2000:])
             time.sleep(0.2)
         metrics_ports = _wait_for_metrics_ports(staged, metrics_files, procs, logs,
-                                                check=ray_hosts.check_started if ray_hosts else None)
+                                                check=ray_hosts.check_started if ray_hosts else None,
+                                                pending=ray_hosts.metrics_pending if ray_hosts else None)
         if getattr(args, "prometheus_targets", None):
             write_prometheus_targets(args.prometheus_targets, metrics_ports)
         history_path = staged.hub_state_dir / "history.json"
@@ -243,12 +253,13 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
 
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen | Forked], logs: Path,
-                            timeout: float = 120.0, check=None) -> dict[str, Any]:
+                            timeout: float = 120.0, check=None, pending=None) -> dict[str, Any]:
     """The /metrics port of the hub and the HOST:PORT of every silo host's, once each has written it. `check`
-    raises when a silo host that is not one of `procs` (a Ray actor) failed."""
+    raises when a silo host that is not one of `procs` (a Ray actor) failed; `pending` says whether an actor has
+    yet to tell its node's address (its bare port, written first, would read as this machine's)."""
     hub_file = staged.hub_state_dir / "metrics_port"
     end = time.time() + timeout
-    while not all(f.exists() and f.read_text().strip() for f in worker_files):
+    while not all(f.exists() and f.read_text().strip() for f in worker_files) or (pending is not None and pending()):
         if check is not None:
             check()
         for i, p in enumerate(procs[1:]):

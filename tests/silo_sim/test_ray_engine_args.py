@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from silo_sim.cli import build_parser
+from silo_sim.federation import host_threads
 from silo_sim.ray_engine import actor_count, check_engine_args, pack_share, unpack_share
 
 
@@ -22,6 +23,15 @@ def test_actors_fill_the_cluster_at_one_silos_request_capped_at_the_silos():
     assert actor_count({"CPU": 1.0}, silos=10, silo_cpus=4, silo_gpus=0, workers=None) == 1
     assert actor_count({"CPU": 16.0}, silos=10, silo_cpus=1, silo_gpus=0, workers=3) == 3
     assert actor_count({"CPU": 16.0}, silos=2, silo_cpus=1, silo_gpus=0, workers=5) == 2
+
+
+def test_a_ray_silo_host_trains_on_the_cpus_its_actor_reserved_not_the_drivers_share():
+    # A 2-core laptop driving a 64-CPU cluster at --silo-cpus 8: 8 threads, not 2 // hosts.
+    assert host_threads(cores=2, hosts=8, silo_cpus=8.0) == 8
+    # A local Ray on 16 cores with 2 hosts at the default 1 CPU each: 1 thread, as reserved (not 8).
+    assert host_threads(cores=16, hosts=2, silo_cpus=1.0) == 1
+    assert host_threads(cores=16, hosts=2, silo_cpus=0.0) == 1  # a GPU-only request still gets a thread
+    assert host_threads(cores=16, hosts=2) == 8  # worker processes share this machine's cores
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -94,3 +104,25 @@ def test_the_sweep_removes_only_this_runs_copies_whose_actor_is_gone(tmp_path) -
     assert sweep_dead_shares("run1", tmp_path) == [folders[f"run1-{gone.pid}-abc"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{SHARE_PREFIX}{name}" for name in folders if name != f"run1-{gone.pid}-abc")
+
+
+def test_prometheus_targets_wait_for_each_actors_node_address_not_its_bare_port(tmp_path):
+    """An actor writes its bare port first and its node's HOST:PORT once the driver collects it; read too early,
+    the bare port would become a 127.0.0.1 target where nothing listens."""
+    from types import SimpleNamespace
+
+    from silo_sim.federation import _wait_for_metrics_ports
+
+    port_file = tmp_path / "worker-0.metrics_port"
+    port_file.write_text("4321")  # the actor's own write, before its address reached the driver
+    calls = []
+
+    def check():  # the driver's poll: on its third call the actor's address has arrived
+        calls.append(1)
+        if len(calls) == 3:
+            port_file.write_text("10.0.0.5:4321")
+
+    staged = SimpleNamespace(hub_state_dir=tmp_path)
+    ports = _wait_for_metrics_ports(staged, [port_file], [None], tmp_path, timeout=10, check=check,
+                                    pending=lambda: ":" not in port_file.read_text())
+    assert ports["workers"] == ["10.0.0.5:4321"] and len(calls) == 3
