@@ -405,7 +405,15 @@ class HubApp:
         # skip it (they were about 7% of the hub's CPU while 1,000 silos joined, perf).
         gc.freeze()
         try:
-            state = self.hub.run()
+            try:
+                state = self.hub.run()
+            except Exception:
+                # The error goes up and the process exits; a Prometheus that scrapes this endpoint sees it failed
+                # (silokit_hub_phase), not the phase it was in.
+                self.hub.rounds.set_phase("failed")
+                if self.metrics is not None and self.metrics.server is not None:
+                    self.metrics.server.wait_for_scrape(self.config.metrics.final_scrape_s)
+                raise
             if self.hub.stop_event.is_set():
                 return state
             self.export(state)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+from prometheus_client import generate_latest
+
 from silo_core.rounds import RoundRecord, Scores
 from silo_core.selection import BestRound
 from silo_server.app import HubApp
@@ -59,3 +62,21 @@ def test_the_best_model_is_written_only_after_its_rounds_checkpoint(tmp_path) ->
     assert app.best.found and app.best.round == 0 and not best.exists()
     app.hub.records.save(state, {})
     assert best.is_file() and load_best_round(tmp_path / "state", app.hub.run_id).round == 0
+
+
+def test_a_hub_whose_run_fails_shows_phase_failed_to_a_last_scrape(tmp_path) -> None:
+    """silokit_hub_phase lists "failed": a run that raises sets it before the process exits (and waits for a last
+    scrape when a Prometheus was watching), so the dashboard does not freeze on the phase it died in."""
+    config = parse_config({**CONFIG, "metrics": {"host": "127.0.0.1", "port": 0, "final_scrape_s": 0}},
+                          base=tmp_path)
+    app = HubApp(config, insecure_dev_only=True)
+
+    def broken_run():
+        app.hub.rounds.set_phase("training")
+        raise RuntimeError("a bug in round 3")
+
+    app.hub.run = broken_run
+    with pytest.raises(RuntimeError, match="a bug in round 3"):
+        app.run()
+    text = generate_latest(app.metrics.registry).decode()
+    assert 'silokit_hub_phase{phase="failed"} 1.0' in text and 'silokit_hub_phase{phase="training"} 0.0' in text
