@@ -209,7 +209,7 @@ class SiloClient:
             check_counts_for(run.algorithm, self._silo_algorithm(run), self.num_files, self.num_labeled_files,
                              self.s.sim_labels is not None)
             self.data, self.algorithm = None, None
-            self.metrics.joined(str(self.device), self.num_files + self.num_labeled_files, 0)
+            self.metrics.joined(str(self.device), self.num_files, 0)  # unlabeled files, as after loading
             return
         else:
             self.run_work(self._prepare, run)
