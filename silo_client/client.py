@@ -36,7 +36,7 @@ from security.terms import as_dict as terms_dict
 from security.tls import insecure_dev_channel, read_bundle, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.budget import DP_SGD_LIMITS, TaskBudget
-from silo_client.connection import TRANSIENT, Connection, Outcome, Phase
+from silo_client.connection import TRANSIENT, WAIT_TASK_CAP_S, Connection, Outcome, Phase
 from silo_client.errors import SiloError, SiloLeft
 from silo_client.hub_link import (
     HUB_CHECK_EVERY_S,
@@ -45,6 +45,7 @@ from silo_client.hub_link import (
     HubTlsRefused,
     describe_rpc_error,
     retry_after_s,
+    upload_refused,
 )
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
@@ -165,6 +166,7 @@ class SiloClient:
         self.privacy = SiloPrivacy(send_result=self._upload, send_stage=self._send_stage, identity=identity,
                                    verifier=verifier)
         self.last_upload: SentUpload | None = None  # the last update sent in the clear, for a task asked again
+        self.refused_tasks: set[str] = set()  # tasks whose upload the hub received and refused: not sent again
         say_policy_once(self.log, self.policy, self.state_dir)
         # What the silo does next (join, wait for a task, back off, stop): one state machine decides.
         self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
@@ -444,7 +446,13 @@ class SiloClient:
         """Send a result in the clear (through the Outbox), kept until the next one so that the same task asked
         again gets the same bytes."""
         self.last_upload = SentUpload(task.task_id, tensors, metrics, skipped, epsilon)
-        size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
+        try:
+            size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
+        except grpc.RpcError as err:
+            if upload_refused(err):  # the same bytes would be refused again: wait the task out instead
+                self.refused_tasks.add(task.task_id)
+                self.last_upload = None
+            raise
         self.metrics.sent(size)
         return size
 
@@ -567,6 +575,10 @@ class SiloClient:
                 self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
                               len(self.rounds_done))
                 return Outcome("done", message=task.message)
+            if kind == "TRAIN" and task.task_id in self.refused_tasks:
+                # The hub refused this task's update (its content, its size) and offers the task until the round
+                # closes: neither the same bytes nor a retrained update would pass, so wait it out quietly.
+                return Outcome("task", task_kind="WAIT", retry_after=WAIT_TASK_CAP_S)
             work = {"TRAIN": self._train, "RECEIVE": self._receive, "SECAGG": self.privacy.run_stage}.get(kind)
             if work is not None:
                 self.run_work(work, task)

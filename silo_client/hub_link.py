@@ -75,6 +75,16 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
     return f"{err.code().name}: {details}"
 
 
+def upload_refused(err: grpc.RpcError) -> bool:
+    """Whether a failed upload was received and refused by the hub (its content, its size, the round's privacy),
+    so that sending the same bytes again would be refused again; False when it may simply not have arrived (the
+    hub away, a deadline, a cancel) or the hub only asked this silo to slow down (a rate refusal's retry-after)."""
+    code = err.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return retry_after_s(err) is None
+    return code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def retry_after_s(err: grpc.RpcError) -> float | None:
     """The wait a rate refusal asks for (trailing metadata retry-after-ms, silo_server/wire/servicer.py), or None."""
     try:

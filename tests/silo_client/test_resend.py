@@ -19,7 +19,7 @@ from tests.silo_client.test_cli_errors import write_images
 SILOS = ("dev-1", "dev-2")
 
 
-def hub_config(tmp_path):
+def hub_config(tmp_path, **rounds):
     return parse_config({
         "run": {"state_dir": "state", "device": "cpu", "threads": 1},
         "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
@@ -28,7 +28,8 @@ def hub_config(tmp_path):
         "algorithm": {"name": "semifl", "options": {
             "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
             "tau": 0.0}},
-        "rounds": {"total": 2, "silos_per_round_count": 2, "min_silos": 2, "quorum": 1.0, "deadline_s": 120},
+        "rounds": {"total": 2, "silos_per_round_count": 2, "min_silos": 2, "quorum": 1.0, "deadline_s": 120,
+                   **rounds},
         "security": {"allowed_silos": list(SILOS)},
     }, base=tmp_path)
 
@@ -38,22 +39,23 @@ def audited(state, kind):
     return [r for r in records if r["kind"] == kind]
 
 
-def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_charge(tmp_path, capsys) -> None:
-    app = HubApp(hub_config(tmp_path), insecure_dev_only=True)
-    received: list[tuple[str, int, str, str]] = []  # (silo, round, task, sha256) of every upload the hub read
+def run_with_first_upload_failing(tmp_path, refusal: Refusal, **rounds):
+    """A two-round federation whose hub fails dev-1's first upload with `refusal` after reading every byte of it.
+    Returns the rounds' records and (silo, round, task, sha256) of every upload the hub read."""
+    app = HubApp(hub_config(tmp_path, **rounds), insecure_dev_only=True)
+    received: list[tuple[str, int, str, str]] = []
     accept = app.hub.upload
 
-    def losing_upload(silo_id, header, chunks):
+    def failing_upload(silo_id, header, chunks):
         if header["secagg_stage"]:
             return accept(silo_id, header, chunks)
         data = b"".join(c for _, c in chunks)
         received.append((silo_id, header["round"], header["task_id"], header["sha256"]))
         if silo_id == "dev-1" and header["round"] == 1 and len([r for r in received if r[0] == "dev-1"]) == 1:
-            # Every byte reached the hub, which then says it never arrived.
-            raise Refusal("UNAVAILABLE", "lost", "the hub lost this upload; send it again")
+            raise refusal
         return accept(silo_id, header, iter([(0, data)] if data else []))
 
-    app.hub.upload = losing_upload
+    app.hub.upload = failing_upload
     port = app.start_server()
     clients = []
     for silo in SILOS:
@@ -75,7 +77,13 @@ def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_char
             c.stop_event.set()
             c.close()
         app.stop(0)
+    return history, received
 
+
+def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_charge(tmp_path, capsys) -> None:
+    # Every byte reached the hub, which then says it never arrived.
+    history, received = run_with_first_upload_failing(
+        tmp_path, Refusal("UNAVAILABLE", "lost", "the hub lost this upload; send it again"))
     assert [r.silos_reported for r in history] == [2, 2]
     dev1 = [r for r in received if r[0] == "dev-1"]
     assert [r[1] for r in dev1] == [1, 1, 2]
@@ -93,3 +101,13 @@ def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_char
     capsys.readouterr()
     assert silo_audit(["verify", str(state)]) == 0
     assert "agrees with the ledger (2 rounds in 1 runs)" in capsys.readouterr().out
+
+
+def test_an_upload_the_hub_refused_is_not_sent_again_while_the_hub_offers_its_task(tmp_path) -> None:
+    """The hub received dev-1's update and refused it (its content): the same bytes, or an update retrained the
+    same way, would be refused again, so dev-1 waits the task out; the round closes after its quorum."""
+    history, received = run_with_first_upload_failing(
+        tmp_path, Refusal("INVALID_ARGUMENT", "update_norm", "the update's norm is above security.max_update_norm"),
+        quorum=0.5, wait_after_quorum_s=3)
+    assert [r.round for r in history] == [1, 2] and history[0].silos_reported == 1
+    assert [r[1] for r in received if r[0] == "dev-1"] == [1, 2]  # one refused upload in round 1, none resent
