@@ -385,8 +385,10 @@ class RoundLoop:
                                                      self.settings.max_weight_factor)
             need = self.quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
-                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, len(self.registry.silos),
-                                                  need)
+                # The sampling rate the accountant charges: the chance of a live silo (the only ones that can be
+                # drawn) to be in the round; a breaker hunt's cohorts are not drawn at random, so it charges q = 1.
+                population = len(sampled) if self.hunt.active else len(live)
+                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need)
                 task.accepted = task.privacy.accepted
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d%s", r, attempt, len(sampled), len(live), need,
                      "; the others receive the model without training" if broadcast is not None else "")

@@ -17,6 +17,7 @@ from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.hub import Hub, Refusal
 from silo_server.rounds.privacy import HubPrivacy, PrivacySection
 from silo_server.state.checkpoint import load_latest
+from silo_server.state.registry import Departure
 from tests.silo_server.hubs import build_hub
 
 D = 4000
@@ -295,6 +296,29 @@ def test_dp_epsilon_is_logged_checkpointed_resumed_and_stops_at_the_budget(tmp_p
     resumed = again.run()  # the restarted hub continues the same count and stops at once
     assert resumed.round == 2 and again.privacy.dp.epsilon() == pytest.approx(eps[1])
     assert "privacy budget" in again.rounds.stopped_reason
+
+
+def test_the_accountant_charges_the_rate_at_which_live_silos_are_sampled_not_every_silo_ever_joined(tmp_path):
+    """Two silos joined and left the run: they can never be sampled, so the five live ones are each in every round
+    (q = 1), and charging 5 / 7 would under-count the epsilon spent (and stop at the budget too late)."""
+    section = PrivacySection(secure_aggregation=SECAGG, dp=DPConfig(enabled=True, noise_multiplier=1.0,
+                                                                    clip_norm=40.0))
+    hub = make(tmp_path, section, rounds=1, quorum=1.0)
+    for gone in ("left-1", "left-2"):
+        hub.join(gone, 10, 0, "cpu")
+        hub.leave(gone, hub.run_id, Departure("budget", "lifetime_epsilon", "1", "1.1", "budget spent", 0))
+    silos = [Silo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
+    for s in silos:
+        s.start()
+    hub.run()
+    for s in silos:
+        s.join(5)
+    (record,) = hub.records.history
+    assert len(hub.registry.silos) == 7 and record.silos_reported == 5
+    assert record.dp.sample_rate == 1.0
+    single = PrivacyAccountant()
+    single.step(1.0, 1.0)
+    assert record.dp.epsilon == pytest.approx(single.epsilon())
 
 
 def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
