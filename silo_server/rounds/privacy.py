@@ -144,6 +144,20 @@ class RoundHooks:
     answer: Callable[[RoundPrivacy], None] | None = None
 
 
+def check_clip_tensors(prefixes: list[str], expected: dict[str, TensorSpec]) -> None:
+    """Client-level DP clips and noises the update's tensors named by privacy.dp.clip_tensors (name prefixes). When
+    they name none of this algorithm's, nothing would be clipped or noised while every round is charged epsilon:
+    refused, with the prefixes the update has."""
+    floats = [n for n, spec in expected.items() if spec.dtype.startswith(("float", "bfloat"))]
+    if any(n.startswith(p) for n in floats for p in prefixes):
+        return
+    found = sorted({n[:n.index("delta/") + len("delta/")] for n in floats if "delta/" in n}) or sorted(floats)[:4]
+    raise ValueError(f"privacy.dp.clip_tensors {prefixes} names none of this algorithm's update tensors "
+                     f"({', '.join(sorted(floats)[:4])}{', ...' if len(floats) > 4 else ''}): nothing would be "
+                     f"clipped or noised while every round is charged epsilon; set privacy.dp.clip_tensors to "
+                     f"{found}")
+
+
 class HubPrivacy:
     def __init__(self, section: PrivacySection, seed: int | None = None, verifier: PeerVerifier | None = None,
                  run_id: str = ""):
@@ -172,6 +186,7 @@ class HubPrivacy:
         if self.secagg is not None:
             need = max(need, self.min_cohort)  # the cohort the run's terms promise
         if self.dp is not None:
+            check_clip_tensors(self.dp.config.clip_tensors, expected)
             instructions = self.dp.plan_round(len(sampled), enrolled, need)
             if instructions.adaptive:
                 accepted[UNCLIPPED] = TensorSpec((1,), "float32")

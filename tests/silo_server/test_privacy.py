@@ -15,7 +15,7 @@ from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan, SiloRes
 from silo_core.models import ModelSpec
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.hub import Hub, Refusal
-from silo_server.rounds.privacy import HubPrivacy, PrivacySection
+from silo_server.rounds.privacy import HubPrivacy, PrivacySection, check_clip_tensors
 from silo_server.state.checkpoint import load_latest
 from silo_server.state.registry import Departure
 from tests.silo_server.hubs import build_hub
@@ -403,3 +403,15 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
         assert hub.registry.refusals == {"privacy": 1}
         hub.stop()
         thread.join(5)
+
+
+def test_client_dp_refuses_clip_tensors_that_name_none_of_the_updates_tensors():
+    """HASSLE's update is S/delta/... and U/delta/...: the default clip_tensors [delta/] would clip and noise
+    nothing while every round is charged epsilon. Refused before anything is handed out, with the prefixes."""
+    hassle = {"S/delta/conv.weight": TensorSpec((4, 1, 3, 3), "float32"),
+              "U/delta/conv.weight": TensorSpec((4, 1, 3, 3), "float32"), "S/weight": TensorSpec((1,), "float32")}
+    with pytest.raises(ValueError, match=r"clip_tensors \['delta/'\] names none .* set privacy.dp.clip_tensors to "
+                                         r"\['S/delta/', 'U/delta/'\]"):
+        check_clip_tensors(["delta/"], hassle)
+    check_clip_tensors(["S/delta/", "U/delta/"], hassle)
+    check_clip_tensors(["delta/"], {"delta/conv.weight": TensorSpec((4, 1, 3, 3), "float32")})
