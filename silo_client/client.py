@@ -21,6 +21,7 @@ import torch
 
 from security.audit import AUDIT_FILE, AuditLog
 from security.secagg.identity import PeerVerifier, SiloIdentity
+from security.secagg.messages import MAX_TASK_MESSAGE_BYTES
 from security.terms import (
     FEATURES,
     FIRST_RELEASE,
@@ -123,7 +124,7 @@ class SiloClient:
             raise DataError(f"data folder {settings.data} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"point --data at the folder of this silo's images")
         options = [
-            ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20),
+            ("grpc.max_receive_message_length", MAX_TASK_MESSAGE_BYTES), ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 0),
         ]
         bundle = None

@@ -24,6 +24,7 @@ from security.crl import RevocationList
 from security.gate import PeerGate
 from security.pki import BUNDLE_CA, BUNDLE_CRL, cert_days_left
 from security.secagg.identity import PeerVerifier
+from security.secagg.messages import MAX_TASK_MESSAGE_BYTES
 from security.terms import PROTOCOL_VERSION, run_terms, terms_sha256
 from security.terms import as_dict as terms_dict
 from security.tls import ReloadingServerCredentials
@@ -273,7 +274,7 @@ class HubApp:
         )
         self.server = FederationServer(servicer, options=[
             ("grpc.max_receive_message_length", self.config.wire.chunk_bytes + (64 << 10)),
-            ("grpc.max_send_message_length", self.config.wire.chunk_bytes + (64 << 10)),
+            ("grpc.max_send_message_length", max(self.config.wire.chunk_bytes + (64 << 10), MAX_TASK_MESSAGE_BYTES)),
             # gRPC shares a port with another process by default (SO_REUSEPORT): a second hub, or a restart
             # while the old hub still runs, would bind "successfully" and split the silos' calls between them.
             ("grpc.so_reuseport", 0),

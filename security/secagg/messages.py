@@ -27,6 +27,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 MAX_JSON_BYTES = 8 << 20
+# The hub hands a silo each stage's input in one Task message (its secagg_payload, not chunked): the gRPC message
+# caps of both ends must hold the largest input with the Task's other fields.
+MAX_TASK_MESSAGE_BYTES = MAX_JSON_BYTES + (64 << 10)
 
 
 class ProtocolError(ValueError):

@@ -8,11 +8,14 @@ import json
 import threading
 
 from security.audit import AUDIT_FILE
+from security.secagg.messages import MAX_JSON_BYTES
+from silo.v1 import silo_pb2
 from silo_client.client import SiloClient, SiloSettings
 from silo_client.ledger import LEDGER_FILE
 from silo_server.app import HubApp
 from silo_server.config import parse_config
 from silo_server.state.registry import Refusal
+from silo_server.wire.intake import TaskView
 from silo_tools.audit import main as silo_audit
 from tests.silo_client.test_cli_errors import write_images
 
@@ -111,3 +114,24 @@ def test_an_upload_the_hub_refused_is_not_sent_again_while_the_hub_offers_its_ta
         quorum=0.5, wait_after_quorum_s=3)
     assert [r.round for r in history] == [1, 2] and history[0].silos_reported == 1
     assert [r[1] for r in received if r[0] == "dev-1"] == [1, 2]  # one refused upload in round 1, none resent
+
+
+def test_the_largest_secure_aggregation_input_reaches_a_silo_in_one_task(tmp_path) -> None:
+    """A stage's input (unmask requests carry every survivor's certificate) may be up to MAX_JSON_BYTES and rides
+    in one Task: the hub's send cap and the client's receive cap must both hold it."""
+    app = HubApp(hub_config(tmp_path), insecure_dev_only=True)
+    payload = bytes(range(256)) * (MAX_JSON_BYTES // 256)
+    app.hub.poll_task = lambda silo_id: TaskView("SECAGG", round=1, task_id="t", secagg_stage="unmask",
+                                                 secagg_payload=payload)
+    app.hub.start_poll = lambda silo_id, run_id: None
+    app.hub.end_poll = lambda silo_id: None
+    port = app.start_server()
+    write_images(tmp_path / "images", n=4)
+    client = SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", device="cpu",
+                                     state_dir=tmp_path / "state", insecure_dev_silo_id="dev-1"))
+    try:
+        task = client.stub.NextTask(silo_pb2.NextTaskRequest(run_id=app.hub.run_id), timeout=60)
+        assert task.secagg_payload == payload and len(payload) == MAX_JSON_BYTES
+    finally:
+        client.close()
+        app.stop(0)
