@@ -160,13 +160,15 @@ def run_inprocess(
         for name, data in by_name.items():
             unlabeled = int(data.images.shape[0]) if data.images is not None else 0
             registry.join(name, unlabeled, data.num_labeled, "cpu")
+        privacy = privacy if privacy is not None and privacy.enabled else None
+        # The checkpoint writer holds the accountant too, as the hub's does: a run resumed from state_dir goes on
+        # with the epsilon it spent.
+        records = RunRecords(state_dir or Path(scratch), evaluate=evaluate, validate=validate, privacy=privacy)
         loop = RoundLoop(
             hub, RoundSettings(total_rounds=rounds, silos_per_round=silos_per_round,
                                silos_per_round_count=silos_per_round_count, quorum=1.0, seed=seed),
-            registry, RunRecords(state_dir or Path(scratch), evaluate=evaluate, validate=validate),
-            stop_event=threading.Event(), round_hyperparameters=round_hyperparameters, on_round=on_round,
-            aggregation=aggregation, transport=InProcessSilos(silo, by_name),
-            privacy=privacy if privacy is not None and privacy.enabled else None)
+            registry, records, stop_event=threading.Event(), round_hyperparameters=round_hyperparameters,
+            on_round=on_round, aggregation=aggregation, transport=InProcessSilos(silo, by_name), privacy=privacy)
         state = loop.run()
         return state, list(loop.records.history)
 

@@ -27,6 +27,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from silo_core.files import write_json_atomic
 
@@ -46,6 +47,24 @@ class BreakerHunt:
     @property
     def active(self) -> bool:
         return bool(self.suspects)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"suspects": sorted(self.suspects), "cleared": sorted(self.cleared),
+                "failed_attempts": self.failed_attempts}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """The search as a checkpoint holds it (a restarted hub goes on with it instead of starting over from the
+        cohort that already failed); nothing saved (an older checkpoint): no search under way."""
+        def names(key: str) -> set[str]:
+            value = saved.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"breaker_hunt.{key} in the checkpoint is not a list of silo names")
+            return set(value)
+
+        attempts = saved.get("failed_attempts", 0)
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0:
+            raise ValueError("breaker_hunt.failed_attempts in the checkpoint is not a count")
+        self.suspects, self.cleared, self.failed_attempts = names("suspects"), names("cleared"), attempts
 
     def failed(self, contributors: Iterable[str]) -> str | None:
         """A cohort's sum was refused: the breaker is among its contributors. Returns it once it is the only

@@ -173,6 +173,7 @@ class RoundLoop:
         # The search for a silo that breaks the secure sum (silo_server/rounds/breaker.py), and whether the hub has said
         # it cannot search (no spare silos).
         self.hunt = BreakerHunt()
+        records.hunt = self.hunt  # checkpointed with the round: a restarted hub goes on with the search
         self.said_no_spare = False
         self.task: ActiveTask | None = None
         self.phase = "starting"
@@ -485,7 +486,7 @@ class RoundLoop:
 
     def _quarantine(self, breaker: str, round_number: int) -> None:
         attempts = self.hunt.failed_attempts
-        self.hunt = BreakerHunt()
+        self.hunt.restore({})  # the search is over (the same object the checkpoint holds)
         self.registry.quarantine_silo(Quarantine(
             silo=breaker, round=round_number, attempts=attempts, at=now_iso(),
             reason=f"in every cohort whose securely aggregated sum failed its check ({attempts} failed attempts) and "

@@ -16,7 +16,8 @@ from security.audit import AuditLog
 from silo_core.algorithms.base import HubState
 from silo_core.files import write_json_atomic
 from silo_core.rounds import RoundRecord, Scores, records_from_json
-from silo_server.state.checkpoint import MANIFEST, load_latest, save_checkpoint
+from silo_server.rounds.breaker import BreakerHunt
+from silo_server.state.checkpoint import MANIFEST, CheckpointError, load_latest, save_checkpoint
 
 log = logging.getLogger("silo_server")
 
@@ -38,6 +39,7 @@ class RunRecords:
         self.contributed: dict[str, int] = {}
         # Called once each checkpoint is written: the hub app then writes what must not run ahead of it.
         self.after_save: Callable[[], None] | None = None
+        self.hunt: BreakerHunt | None = None  # the round loop's, checkpointed with it
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = self._load_or_make_run_id()
 
@@ -78,12 +80,20 @@ class RunRecords:
         if loaded is None:
             return None
         state, info = loaded
+        if info.get("run_id", self.run_id) != self.run_id:
+            raise CheckpointError(
+                f"{self.state_dir / 'checkpoints'} holds run {info['run_id']}, but {self.state_dir / 'run.json'} "
+                f"names run {self.run_id} (missing, or from another run): restore run.json from the same backup as "
+                "the checkpoints, or move checkpoints/ aside to start a new run. Resuming under another run id "
+                "would make every silo pin the terms and open its privacy ledger again")
         declared = per_silo_counts(info, "declared_images")
         self.history = self._with_checkpoint_times(records_from_json(info.get("history", [])))
         self.initial = Scores.from_json(info.get("initial", {}))
         self.contributed = per_silo_counts(info, "rounds_contributed")
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
+        if self.hunt is not None:
+            self.hunt.restore(info.get("breaker_hunt") or {})
         log.info("resumed from checkpoint after round %d", state.round)
         return state, declared
 
@@ -107,6 +117,8 @@ class RunRecords:
                                 "declared_images": declared_images, "rounds_contributed": dict(self.contributed)}
         if self.privacy is not None:
             info["privacy"] = self.privacy.state_dict()  # the accountant: a restarted hub continues the same count
+        if self.hunt is not None:  # a search for a secure-sum breaker outlives the round it began in
+            info["breaker_hunt"] = self.hunt.to_json()
         folder = save_checkpoint(self.state_dir, state, info)
         self.write_history()
         if self.audit is not None:

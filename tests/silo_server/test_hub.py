@@ -16,7 +16,7 @@ from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.hub import Refusal
-from silo_server.state.checkpoint import load_latest
+from silo_server.state.checkpoint import CheckpointError, load_latest
 from tests.silo_server.hubs import build_hub
 
 
@@ -194,6 +194,33 @@ def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     with pytest.raises(Refusal) as info:
         again.next_task("a", hub.run_id, 0.1)  # the restarted hub has not seen this silo join yet
     assert info.value.code == "FAILED_PRECONDITION"
+
+
+def test_a_restarted_hub_goes_on_with_a_breaker_search_and_refuses_checkpoints_of_another_run(tmp_path):
+    """A search for a silo that breaks the secure sum can outlive its round: a restarted hub continues it (else its
+    first cohort is the one that already failed). A checkpoint whose run is not run.json's is refused, not resumed
+    under a new run id."""
+    hub = make_hub(tmp_path)
+    hub.rounds.hunt.failed(["x", "y", "z"])
+    hub.rounds.hunt.passed(["z"])  # x and y are still suspects (away now), z is cleared
+    for s in ("a", "b"):
+        hub.join(s, 10, 0, "cpu")
+    thread, _ = start_round(hub)
+    sampled = []
+    while not sampled:  # no suspect is live: the usual sample
+        sampled = [s for s in ("a", "b") if hub.next_task(s, hub.run_id, 0.2).kind == "TRAIN"]
+    for s in sampled:
+        upload(hub, s, wait_task(hub, s), result(1.0))
+    thread.join(10)
+    again = make_hub(tmp_path)
+    assert again.rounds.resume_or_init().round == 1
+    assert (again.rounds.hunt.suspects, again.rounds.hunt.cleared, again.rounds.hunt.failed_attempts) == (
+        {"x", "y"}, {"z"}, 1) == (hub.rounds.hunt.suspects, hub.rounds.hunt.cleared, 1)
+    assert again.records.hunt is again.rounds.hunt
+
+    (tmp_path / "run.json").unlink()  # only the checkpoints were restored from a backup
+    with pytest.raises(CheckpointError, match="holds run .* names run .* restore run.json"):
+        make_hub(tmp_path).rounds.resume_or_init()
 
 
 def test_the_initial_model_is_scored_before_round_1_and_kept_across_a_restart(tmp_path):

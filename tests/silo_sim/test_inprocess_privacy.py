@@ -19,12 +19,13 @@ SPEC = ModelSpec(num_classes=10, in_channels=1, image_size=28)
 IMAGES = torch.zeros((4, 1, 28, 28), dtype=torch.uint8)
 
 
-def run(privacy: PrivacySection | None, rounds: int = 2):
+def run(privacy: PrivacySection | None, rounds: int = 2, state_dir=None):
     hub = NudgeHub(NudgeOptions(step=0.25), SPEC, HubData(IMAGES, torch.zeros(4, dtype=torch.int64)),
                    torch.device("cpu"), 0, rounds)
     silos = [SiloData(images=IMAGES, silo_id=f"s{i}") for i in range(4)]
     state, history = run_inprocess(hub, NudgeSilo(NudgeOptions(), SPEC, torch.device("cpu")), silos, rounds,
-                                   privacy=HubPrivacy(privacy, seed=0) if privacy is not None else None)
+                                   privacy=HubPrivacy(privacy, seed=0) if privacy is not None else None,
+                                   state_dir=state_dir)
     return hub.init_state(), state, history
 
 
@@ -48,3 +49,14 @@ def test_distributed_dp_in_process_charges_what_the_hub_accountant_charges():
     expected.step(1.0, 1.0, 2)  # every silo in every round: q = 1
     assert [r.dp is not None for r in history] == [True, True]
     assert history[-1].dp.epsilon == pytest.approx(expected.epsilon())
+
+
+def test_an_in_process_run_resumed_from_its_state_dir_goes_on_with_the_epsilon_it_spent(tmp_path):
+    section = PrivacySection(secure_aggregation=SecAggParams(enabled=True, dropouts=0),
+                             dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=1000.0, noise="distributed"))
+    run(section, rounds=2, state_dir=tmp_path)
+    _, _, history = run(section, rounds=3, state_dir=tmp_path)  # resumes after round 2: one more round
+    expected = PrivacyAccountant("rdp", 1e-5)
+    expected.step(1.0, 1.0, 3)
+    assert [r.round for r in history] == [1, 2, 3]
+    assert history[-1].dp.epsilon == pytest.approx(expected.epsilon())  # not one round's: the count went on
