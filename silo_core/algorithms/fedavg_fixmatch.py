@@ -1,5 +1,5 @@
 """FedAvg+FixMatch: the vanilla combination of FedAvg and FixMatch that SemiFL's ablation measures (SemiFL Fig. 4a,
-Table 4; also the FedMatch/FedRGD style), a baseline every SSFL method must beat.
+Table 2; also the FedMatch/FedRGD style), a baseline every SSFL method must beat.
 
 As this file runs it:
 
@@ -179,6 +179,9 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
         total_loss, steps, correct = 0.0, 0, 0.0
         work = LocalWork(o.local_epochs, o.local_steps)
         for _ in work.passes():
+            # Each pass pseudo-labels the silo's images again: the counts are the last pass's, so that they count
+            # images ("how many passed the threshold"), not images times local epochs.
+            metrics["pl_total"], metrics["pl_selected"], correct = 0.0, 0.0, 0.0
             for idx, x in image_batches(data.images, shuffled_batches(n, o.silo_batch_size, gen), pinned(device)):
                 if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                     continue

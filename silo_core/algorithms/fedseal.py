@@ -124,15 +124,17 @@ def class_thresholds(probs: torch.Tensor, labels: torch.Tensor, num_classes: int
     """Server-gauged per-class thresholds on a labeled validation split.
 
     tau_m = sum_{i : argmax p(x_i) = m} p_m(x_i) / den_m, clipped to [lo, hi]; den_m is the number of validation
-    images of class m (`true_class`) or predicted as m (`predicted_class`). Where den_m = 0 the ratio is undefined
-    and tau_m = `fallback` (not clipped: it is the operator's own global threshold).
+    images of class m (`true_class`) or predicted as m (`predicted_class`). Where den_m = 0 the ratio is undefined,
+    and where class m is absent from the validation split it gauges nothing (under `predicted_class` it would be
+    made of wrong predictions only): there tau_m = `fallback` (not clipped: it is the operator's own threshold).
     """
     confidence, predicted = probs.max(dim=1)
     numerator = torch.zeros(num_classes, dtype=torch.float64).index_add_(0, predicted, confidence.double())
     counted = labels if denominator == "true_class" else predicted
     den = torch.bincount(counted, minlength=num_classes)[:num_classes].double()
+    present = torch.bincount(labels, minlength=num_classes)[:num_classes] > 0
     tau = (numerator / den.clamp_min(1)).clamp(lo, hi)
-    return torch.where(den > 0, tau, torch.full_like(tau, fallback)).float()
+    return torch.where((den > 0) & present, tau, torch.full_like(tau, fallback)).float()
 
 
 def positive_set(pbar: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

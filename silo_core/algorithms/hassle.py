@@ -80,8 +80,8 @@ MODELS = ("S", "U", "rUS", "rSU")  # the four models on the wire, each one tenso
 
 
 class HASSLEOptions(SGDOptions):
-    """Every HASSLE/SUMA knob; defaults from the paper (lr 0.1, momentum 0.9, 10 local epochs, batch 128) and the
-    shared papers notes (gamma, temperatures, residual width)."""
+    """Every HASSLE/SUMA knob; defaults from the paper (lr 0.1, momentum 0.9, batch 128), our choice where it names
+    none (10 local epochs, docs/algorithms.md) and the shared papers notes (gamma, temperatures, residual width)."""
 
     lr: float = Field(0.1, gt=0.0, description="paper: 0.1")
     lr_schedule: Literal["cosine", "constant", "exponential"] = "constant"
@@ -291,9 +291,11 @@ class HASSLESilo(SiloAlgorithm):
         return groups_by_prefix(expected)
 
     def _dual_update(self, plan: RoundPlan, images: Images, labels: torch.Tensor, own: str, other: str,
-                     temperature: float, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                     temperature: float, gen: torch.Generator,
+                     weight: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Train model `own` (S or U) with proximity to the global `other`, and its residual r_{other,own}, on
-        (images, labels); return n * delta and n for both groups."""
+        (images, labels); return n * delta and n for both groups, n being `weight` when given (Eq. 2's n_U,k: all
+        of the silo's unlabeled images, even where a threshold kept fewer to train on), else len(images)."""
         o, spec, device = self.options, self.model_spec, self.device
         specs = _specs(spec, o)
         res = f"r{other}{own}"  # r_US complements S, r_SU complements U
@@ -329,7 +331,7 @@ class HASSLESilo(SiloAlgorithm):
                 loss_model, loss_res, steps = loss_model + loss.item(), loss_res + rloss.item(), steps + 1
                 if work.step():
                     break
-        n = float(len(images))
+        n = float(len(images)) if weight is None else float(weight)
         tensors: dict[str, torch.Tensor] = {}
         for key, net in ((own, model), (res, residual)):
             tensors.update(weighted_delta(net, starts[key], n, prefix=f"{key}/delta/"))
@@ -365,7 +367,7 @@ class HASSLESilo(SiloAlgorithm):
                 metrics["pl_correct"] = float((pseudo[keep] == data.true_labels[keep]).sum())
             if int(keep.sum()) >= 2:
                 t, m = self._dual_update(plan, data.images[keep], pseudo[keep], "U", "S",
-                                         o.temperature_unsupervised, gen)
+                                         o.temperature_unsupervised, gen, weight=float(ok.sum()))
                 tensors.update(t)
                 metrics.update(m)
         return SiloResult(tensors=tensors, metrics=metrics, skipped=not tensors)

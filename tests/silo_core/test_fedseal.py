@@ -66,6 +66,12 @@ def test_thresholds_with_predicted_class_denominator():
         [0.99, 0.5, 0.5])  # class 0: 3.6 / 1 -> 0.99; classes 1, 2 present but never predicted: 0 -> 0.5
     assert class_thresholds(sure, labels, 3, "predicted_class", 0.5, 0.99, 0.95).tolist() == pytest.approx(
         [0.9, 0.95, 0.95])
+    # A class absent from the validation split gauges nothing, even when the model predicts it (wrongly): its
+    # threshold is the fallback under either denominator, not the mean confidence of those wrong predictions.
+    wrong = torch.tensor([[0.2, 0.2, 0.6]] * 3 + [[0.9, 0.05, 0.05]])
+    absent = torch.tensor([0, 1, 1, 0])  # no image of class 2
+    for denominator in ("predicted_class", "true_class"):
+        assert class_thresholds(wrong, absent, 3, denominator, 0.5, 0.99, 0.95)[2] == pytest.approx(0.95)
 
 
 def test_incremental_ensemble_equals_the_batch_mean_and_survives_a_reload(tmp_path):

@@ -172,3 +172,18 @@ def test_residual_models_start_by_adding_nothing():
         residual = load_model(SPEC.scaled(0.25), state.tensors, prefix=f"{key}/").eval()
         with torch.no_grad():
             assert float(residual(torch.randn(3, 1, 28, 28)).abs().max()) == 0.0
+
+
+def test_the_unsupervised_groups_are_weighted_by_every_unlabeled_image_even_where_tau_kept_fewer():
+    """Eq. 2 weights U and r_SU by n_U,k, the silo's unlabeled count: a threshold (tau) that keeps fewer images to
+    train on must not shrink the silo's share of the mean."""
+    hub = make_hub(hub_participates=False)
+    plan = hub.begin_round(hub.init_state())
+    data = SiloData(images=images(10, 7), silo_id="c")
+    for tau in (0.5, 0.3, 0.2, 0.15, 0.13, 0.12, 0.11, 0.105):
+        result = HASSLESilo(hub.options.model_copy(update={"tau": tau}), SPEC, CPU).local_update(plan, data)
+        if 2 <= result.metrics["pl_selected"] < 10:
+            break
+    else:
+        pytest.fail("no threshold kept between 2 and 9 of the 10 images")
+    assert float(result.tensors["U/weight"]) == float(result.tensors["rSU/weight"]) == 10.0
