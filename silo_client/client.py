@@ -59,6 +59,7 @@ from silo_client.run_checks import (
     check_counts_for,
     check_data_for,
     check_model_allowed,
+    check_upload_fits,
     count_image_files,
     data_key,
     guards_against_hub,
@@ -324,6 +325,7 @@ class SiloClient:
         if self.model_checked_for == run.run_id:
             return
         check_model_allowed(run, self.factories)
+        check_upload_fits(run)
         try:
             PROCESS_CHECKS.once(("architecture", run.SerializeToString(deterministic=True)),
                                 lambda: check_architecture(run, model_spec_of(run)))

@@ -41,6 +41,16 @@ def least_update_bytes(run: silo_pb2.RunDescription) -> int:
     return total
 
 
+def check_upload_fits(run: silo_pb2.RunDescription) -> None:
+    """An update of the run's model must fit the hub's own cap on one upload (run.max_upload_bytes): else every
+    upload would be refused as oversized after the silo trained. Refused at join instead, naming both sizes."""
+    least = least_update_bytes(run)
+    if run.max_upload_bytes and least > run.max_upload_bytes:
+        raise SiloError(f"one update of the run's model takes at least {least:,} bytes on the wire, above the hub's "
+                        f"cap of {run.max_upload_bytes:,} bytes per upload (wire.max_upload_bytes): no update from "
+                        f"this silo could be accepted; ask the hub's operator to raise it")
+
+
 def count_image_files(root: Path) -> int:
     if not root.is_dir():
         raise DataError(f"data folder {root} does not exist; pass --data with the folder of this silo's images")

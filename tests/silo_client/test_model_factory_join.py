@@ -81,3 +81,25 @@ def test_a_silo_whose_build_differs_refuses_naming_the_tensor(hub, tmp_path, mon
         assert client.data is None  # before loading any image
     finally:
         client.close()
+
+
+def test_a_silo_refuses_at_join_a_run_whose_upload_cap_no_update_could_fit(tmp_path) -> None:
+    """The hub's wire.max_upload_bytes below one update of its own model: every upload would be refused as
+    oversized after training, so the silo says so at join, with both sizes."""
+    app = HubApp(parse_config({
+        "run": {"state_dir": "state", "device": "cpu"},
+        "server": {"host": "127.0.0.1", "port": 0},
+        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
+        "model": {"options": {"width": 4}},
+        "wire": {"max_upload_bytes": 1024},
+    }, base=tmp_path), insecure_dev_only=True)
+    port = app.start_server()
+    write_images(tmp_path / "images", n=4)
+    client = silo(tmp_path, port, ())
+    try:
+        with pytest.raises(SiloError, match=r"at least [\d,]+ bytes on the wire, above the hub's cap of 1,024 bytes"):
+            client._join()
+        assert client.data is None
+    finally:
+        client.close()
+        app.stop(0)
