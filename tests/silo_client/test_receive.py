@@ -41,10 +41,15 @@ def ensemble_counts(tmp_path) -> dict[str, int]:
 
 
 def run_federation(tmp_path, every_round: bool):
-    app = HubApp(hub_config(tmp_path, every_round), insecure_dev_only=True)
+    return run_dev_silos(HubApp(hub_config(tmp_path, every_round), insecure_dev_only=True), tmp_path, SILOS)
+
+
+def run_dev_silos(app: HubApp, tmp_path, silos) -> list:
+    """The hub's run to its end over real gRPC, with a silo-client for each of `silos` (insecure development mode,
+    4 images each under tmp_path); returns the rounds' records. Everything started is stopped."""
     port = app.start_server()
     clients = []
-    for silo in SILOS:
+    for silo in silos:
         write_images(tmp_path / f"images-{silo}", n=4)
         clients.append(SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / f"images-{silo}",
                                                device="cpu", state_dir=tmp_path / f"state-{silo}",

@@ -5,7 +5,6 @@ audit (two uploads of one release) still agrees with the ledger."""
 from __future__ import annotations
 
 import json
-import threading
 
 from security.audit import AUDIT_FILE
 from security.secagg.messages import MAX_JSON_BYTES
@@ -18,6 +17,7 @@ from silo_server.state.registry import Refusal
 from silo_server.wire.intake import TaskView
 from silo_tools.audit import main as silo_audit
 from tests.silo_client.test_cli_errors import write_images
+from tests.silo_client.test_receive import run_dev_silos
 
 SILOS = ("dev-1", "dev-2")
 
@@ -59,28 +59,7 @@ def run_with_first_upload_failing(tmp_path, refusal: Refusal, **rounds):
         return accept(silo_id, header, iter([(0, data)] if data else []))
 
     app.hub.upload = failing_upload
-    port = app.start_server()
-    clients = []
-    for silo in SILOS:
-        write_images(tmp_path / f"images-{silo}", n=4)
-        clients.append(SiloClient(SiloSettings(hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / f"images-{silo}",
-                                               device="cpu", state_dir=tmp_path / f"state-{silo}",
-                                               insecure_dev_silo_id=silo, connect_timeout_s=30)))
-    threads = [threading.Thread(target=c.run_forever, daemon=True) for c in clients]
-    try:
-        for t in threads:
-            t.start()
-        app.run()
-        for t in threads:
-            t.join(30)
-        assert not any(t.is_alive() for t in threads)
-        history = app.hub.records.history
-    finally:
-        for c in clients:
-            c.stop_event.set()
-            c.close()
-        app.stop(0)
-    return history, received
+    return run_dev_silos(app, tmp_path, SILOS), received
 
 
 def test_a_task_asked_again_after_a_lost_upload_gets_the_same_bytes_and_one_charge(tmp_path, capsys) -> None:

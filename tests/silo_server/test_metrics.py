@@ -20,8 +20,7 @@ from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
 from silo_server.rounds.privacy import PrivacySection
 from silo_server.state.registry import Departure
 from tests.silo_server.test_hub import make_hub, result, start_round, upload, wait_task
-from tests.silo_server.test_privacy import SECAGG
-from tests.silo_server.test_privacy import Silo as PrivateSilo
+from tests.silo_server.test_privacy import SECAGG, run_with_silos
 from tests.silo_server.test_privacy import make as make_private_hub
 
 
@@ -150,12 +149,7 @@ def test_a_secure_round_counts_its_masked_inputs_and_every_stage_byte_as_receive
     0 while rounds complete."""
     hub = make_private_hub(tmp_path, PrivacySection(secure_aggregation=SECAGG), quorum=1.0)
     m = HubMetrics(hub)
-    silos = [PrivateSilo(hub, f"s{i}", 1.0 + i) for i in range(5)]
-    for silo in silos:
-        silo.start()
-    hub.run()
-    for silo in silos:
-        silo.join(5)
+    run_with_silos(hub, [1.0 + i for i in range(5)])
     s = samples(m)
     (record,) = hub.records.history
     assert record.secagg.contributors == 5 and record.bytes_up > 0
@@ -168,12 +162,7 @@ def test_a_dp_run_through_the_hub_core_exports_the_epsilon_it_spent_and_its_budg
     section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=200.0, epsilon_budget=20.0))
     hub = make_private_hub(tmp_path, section, rounds=2, quorum=1.0)
     m = HubMetrics(hub)
-    silos = [PrivateSilo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
-    for silo in silos:
-        silo.start()
-    hub.run()
-    for silo in silos:
-        silo.join(5)
+    run_with_silos(hub, [0.25 * (i + 1) for i in range(5)])
     s = samples(m)
     assert [r.round for r in hub.records.history] == [1, 2]
     assert s[("silokit_hub_dp_epsilon_spent", ())] == hub.records.history[-1].dp.epsilon == hub.privacy.dp.epsilon() > 0

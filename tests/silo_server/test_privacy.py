@@ -108,6 +108,17 @@ class Silo(threading.Thread):
                     self.hub.join(self.silo_id, 10, 0, "cpu")
 
 
+def run_with_silos(hub: Hub, values: list[float]) -> list[Silo]:
+    """Silos s0, s1, ... sending these values run the hub to its end; returns them, joined."""
+    silos = [Silo(hub, f"s{i}", v) for i, v in enumerate(values)]
+    for s in silos:
+        s.start()
+    hub.run()
+    for s in silos:
+        s.join(5)
+    return silos
+
+
 def make(tmp_path, section, rounds=1, **kw):
     defaults = dict(state_dir=tmp_path, total_rounds=rounds, run_description={"algorithm": "mean"}, min_silos=5,
                     quorum=0.6, deadline_s=20.0, liveness_s=60.0, seed=0)
@@ -307,12 +318,7 @@ def test_the_accountant_charges_the_rate_at_which_live_silos_are_sampled_not_eve
     for gone in ("left-1", "left-2"):
         hub.join(gone, 10, 0, "cpu")
         hub.leave(gone, hub.run_id, Departure("budget", "lifetime_epsilon", "1", "1.1", "budget spent", 0))
-    silos = [Silo(hub, f"s{i}", 0.25 * (i + 1)) for i in range(5)]
-    for s in silos:
-        s.start()
-    hub.run()
-    for s in silos:
-        s.join(5)
+    run_with_silos(hub, [0.25 * (i + 1) for i in range(5)])
     (record,) = hub.records.history
     assert len(hub.registry.silos) == 7 and record.silos_reported == 5
     assert record.dp.sample_rate == 1.0
