@@ -155,6 +155,13 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOLERANCE * max(1.0, abs(a), abs(b))
 
 
+def noise_shares(task: silo_pb2.TaskPrivacy) -> int:
+    """Over how many silos' noise a round's distributed client-level noise is split: the round's cohort when its
+    update goes into a secure sum, else 1 (the hub sees this silo's update alone, so all of the noise must be
+    its own, whatever min_contributors the task states)."""
+    return max(task.min_contributors, 1) if task.secagg_session else 1
+
+
 def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> list[Breach]:
     """Where a TRAIN task's privacy asks for less than (or other than) the pinned terms. Empty when it agrees."""
     out: list[Breach] = []
@@ -187,12 +194,17 @@ def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> 
             breach("terms", f"adaptive {dp.adaptive}, clipping {list(dp.clip_tensors)}",
                    f"adaptive {t.adaptive}, clipping {list(t.clip_tensors)}", "a task changed what is clipped")
         if dp.noise == "distributed":
-            contributors = max(task.min_contributors, 1)
+            contributors = noise_shares(task)
             floor = dp.noise_multiplier * t.clip_norm / math.sqrt(contributors)
             if t.noise_std < floor * (1 - TOLERANCE):
                 breach("client_dp.noise", f"noise std at least {floor:.6g} (multiplier {dp.noise_multiplier:g} x "
                        f"clip {t.clip_norm:g} / sqrt({contributors}) silos)", f"noise std {t.noise_std:.6g}",
                        "a task lowered the noise")
+            if dp.adaptive and not t.indicator_noise_std > 0:
+                # The clipping indicator (whether this silo's update was clipped) goes into the same sum: without
+                # its noise the round's count of unclipped silos leaves un-noised.
+                breach("client_dp.noise", "noise on the clipping indicator", "none",
+                       "a task removed the noise on the adaptive clipping indicator")
         elif t.noise_std != 0.0:
             breach("client_dp.noise", "central noise (none at the silo)", f"noise std {t.noise_std:g}",
                    "a task changed who adds the noise")

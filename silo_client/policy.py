@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from security.terms import FIRST_RELEASE, PROTOCOL_VERSION
+from security.terms import FIRST_RELEASE, PROTOCOL_VERSION, noise_shares
 from silo.v1 import silo_pb2
 from silo_core.config_base import StrictConfig, format_validation_error
 
@@ -230,7 +230,7 @@ def required_noise_std(policy: BranchPolicy | None, pinned: silo_pb2.PrivacyTerm
     if not (pinned.client_dp.enabled and pinned.client_dp.noise == "distributed"):
         return 0.0
     z = max(pinned.client_dp.noise_multiplier, policy.client_dp.min_noise_multiplier if policy else 0.0)
-    return z * task.client_dp.clip_norm / math.sqrt(max(task.min_contributors, 1))
+    return z * task.client_dp.clip_norm / math.sqrt(noise_shares(task))
 
 
 def check_upload(policy: BranchPolicy | None, size: int, round_number: int) -> Refusal | None:

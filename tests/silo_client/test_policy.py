@@ -200,3 +200,28 @@ def test_the_noise_a_silo_adds_is_never_below_its_policy():
     assert required_noise_std(stricter, terms, task) == pytest.approx(2.0 * 0.5 / 2)
     central = run_with(dp={"noise": "central"}).terms
     assert required_noise_std(stricter, central, task) == 0.0  # no silo noise under central DP
+
+
+def test_without_a_secure_sum_the_task_cannot_split_the_noise_over_other_silos():
+    """Terms stating distributed noise with secure aggregation off (a hub that lies, or misconfigured): the hub sees
+    this silo's update alone, so all of the noise is the silo's own, whatever min_contributors the task states."""
+    terms = run_with(dp={**GOOD_DP, "noise": "distributed"}).terms
+    assert terms.client_dp.noise == "distributed" and not terms.secure_aggregation.enabled
+    task = silo_pb2.TaskPrivacy(min_contributors=10_000, client_dp=silo_pb2.TaskClientDP(
+        enabled=True, clip_norm=0.5, clip_tensors=list(terms.client_dp.clip_tensors), noise_std=1.2 * 0.5 / 100))
+    (breach,) = task_breaches(terms, task)
+    assert breach.clause == "client_dp.noise" and "sqrt(1) silos" in breach.message
+    assert required_noise_std(None, terms, task) == pytest.approx(1.2 * 0.5)
+
+
+def test_adaptive_clipping_keeps_the_noise_on_its_clipping_indicator():
+    terms = run_with(secagg=GOOD_SECAGG, dp={**GOOD_DP, "adaptive_clipping": {"enabled": True, "max_clip_norm": 1.0}},
+                     min_cohort=5).terms
+    assert terms.client_dp.adaptive
+    task = honest_task(terms)
+    task.client_dp.adaptive = True
+    task.client_dp.indicator_noise_std = 0.3
+    assert task_breaches(terms, task) == []
+    task.client_dp.indicator_noise_std = 0.0  # the count of unclipped silos would leave un-noised
+    (breach,) = task_breaches(terms, task)
+    assert breach.clause == "client_dp.noise" and "clipping indicator" in breach.message
