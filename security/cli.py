@@ -35,9 +35,10 @@ _HUB_NEXT = (
 _SILO_NEXT = "copy {out} to the branch '{name}' and run silo-client --certs {out} ..."
 _CRL_NEXT = (
     "copy {crl} to the hub, over crl.pem in its certificate bundle (server.certs) or the file security.crl "
-    "names in hub.yaml; the running hub reloads it and checks it on every call, no restart. If you revoked the "
-    "hub's own certificate, also copy it over crl.pem in every silo's bundle (--certs): a silo checks the hub "
-    "against it before joining and before a round (at most once a minute)"
+    "names in hub.yaml; the running hub reloads it and checks it on every call, no restart. Copy it over crl.pem "
+    "in every silo's bundle (--certs) too: a silo checks its secure-aggregation neighbours' signed keys against "
+    "its own copy (a revoked silo stays out of its rosters even if the hub lets it in) and the hub before joining "
+    "and before a round (at most once a minute)"
 )
 
 

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from security import pki
+from security.cli import main as silo_certs
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_server.config import parse_config
 from silo_server.metrics import MALFORMED_UPDATE_REASONS, REFUSAL_REASONS, HubMetrics
@@ -51,6 +53,20 @@ def test_every_alert_is_a_signal_against_a_threshold_with_severity_and_guidance(
         assert rule["annotations"]["summary"] and len(rule["annotations"]["description"]) > 40, rule["alert"]
     with pytest.raises(ValueError, match="not '<signal> <comparison> <number>'"):
         alert_signal("up == 0 or absent(up)")  # a shape the e2e test could not check: refused
+
+
+def test_the_certificate_alerts_name_a_silo_certs_command_that_works_on_a_live_certificate(tmp_path, capsys):
+    """The expiry alerts fire while the certificate is still live, when issuing for the name again is refused:
+    the command they name must be the one that renews a live certificate."""
+    ca = pki.init_ca(tmp_path / "ca")
+    pki.issue_hub(ca, tmp_path / "hub")
+    pki.issue_silos(ca, [("branch-a", tmp_path / "branch-a")])
+    for alert, name in (("SilokitHubCertificateExpiring", "hub"), ("SilokitSiloCertificateExpiring", "branch-a")):
+        (rule,) = [r for r in alert_rules() if r["alert"] == alert]
+        text = rule["annotations"]["description"].replace("{{ $labels.silo }}", name)
+        command = re.search(r"`silo-certs ([^`]+)`", text).group(1).split()
+        assert silo_certs([*command, "--ca", str(ca), "--out", str(tmp_path / f"{name}-new")]) == 0, command
+    capsys.readouterr()
 
 
 def test_the_malformed_update_alert_watches_every_reason_validation_refuses_an_upload_for():
