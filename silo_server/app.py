@@ -351,6 +351,8 @@ class HubApp:
 
     def _hub_certificate_loaded(self, cert_pem: bytes) -> None:
         cert = x509.load_pem_x509_certificate(cert_pem)
+        if self.metrics is not None:
+            self.metrics.served_certificate = cert_pem
         self.hub.registry.cert_not_after["hub"] = cert.not_valid_after_utc
         days = cert_days_left(cert_pem)
         level = logging.WARNING if days < CERT_WARN_DAYS else logging.INFO

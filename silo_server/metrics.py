@@ -91,6 +91,9 @@ class HubMetrics:
                  version: str = "0.2.0"):
         self.hub = hub
         self.certs = Path(certs) if certs else None
+        # The certificate the hub serves, once its TLS credentials loaded one (a bundle whose new files do not load
+        # together is not served, so the file on disk may be another): the hub's series follows it.
+        self.served_certificate: bytes | None = None
         self.version = version
         self.registry = registry or CollectorRegistry()
         self.started = time.time()
@@ -356,7 +359,8 @@ class _HubStateCollector(Collector):
         if self.m.certs is not None:
             for label, name in (("hub", "cert.pem"), ("ca", "ca.pem")):
                 try:
-                    left = _seconds_left((self.m.certs / name).read_bytes())
+                    served = self.m.served_certificate if label == "hub" else None
+                    left = _seconds_left(served or (self.m.certs / name).read_bytes())
                 except OSError:
                     left = None
                 if left is not None:

@@ -13,7 +13,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from security.dp import DPConfig, DPController
-from security.pki import init_ca, issue_hub, issue_silo
+from security.pki import init_ca, issue_hub, issue_silo, renew
+from security.tls import ReloadingServerCredentials
 from silo_core.rounds import RoundRecord, Scores, SecAggRound, threshold_metric
 from silo_server.hub import Refusal
 from silo_server.metrics import REFUSAL_REASONS, SECAGG_STAGES, HubMetrics
@@ -255,6 +256,22 @@ def test_certificate_time_left_for_the_hub_the_ca_and_each_silo(tmp_path):
     assert 89 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "hub"),))] <= 90 * day
     assert 3600 * day < s[("silokit_hub_certificate_remaining_seconds", (("certificate", "ca"),))] <= 3650 * day
     assert 9 * day < s[("silokit_hub_silo_certificate_remaining_seconds", (("silo", "branch-1"),))] <= 10 * day
+
+
+def test_the_hub_certificate_series_follows_the_certificate_served_not_a_file_that_did_not_load(tmp_path):
+    """An operator copies only a renewed cert.pem (its key not beside it): the hub keeps serving the old
+    certificate, so the series must keep counting down to the old one's expiry, or the alert goes quiet."""
+    ca = tmp_path / "ca"
+    init_ca(ca, days=3650)
+    bundle = issue_hub(ca, tmp_path / "hubcert", days=5)
+    renewed = renew(ca, "hub", tmp_path / "renewed", days=90)
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub, certs=bundle)
+    credentials = ReloadingServerCredentials(bundle, on_load=lambda pem: setattr(m, "served_certificate", pem))
+    (bundle / "cert.pem").write_bytes((renewed / "cert.pem").read_bytes())  # the new key stays behind
+    assert credentials._fetch() is None  # not loaded: the old certificate is still served
+    day = 86400
+    assert 4 * day < value(m, "silokit_hub_certificate_remaining_seconds", certificate="hub") <= 5 * day
 
 
 def test_the_endpoint_serves_the_registry_and_a_busy_port_is_one_clear_error(tmp_path):
