@@ -74,7 +74,12 @@ def _hub_sans(dns: list[str] | None, ips: list[str] | None) -> list[x509.General
     for d in dns:
         if not d or any(c.isspace() for c in d) or "/" in d:
             raise PkiError(f"invalid DNS name {d!r} for the hub certificate")
-        sans.append(x509.DNSName(d))
+        try:
+            ipaddress.ip_address(d)
+        except ValueError:
+            sans.append(x509.DNSName(d))
+        else:  # a silo dialling an address checks it against IP entries only: as a DNS name it would never match
+            raise PkiError(f"{d} is an IP address, not a DNS name: pass it with --ip {d}")
     for ip in ips:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(ip)))

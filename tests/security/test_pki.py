@@ -137,6 +137,7 @@ def test_hub_certificate_uses_exactly_the_given_sans(ca_dir: Path, tmp_path: Pat
     [
         ({"ips": ["10.0.0.300"]}, "invalid IP address"),
         ({"dns": ["bad name"]}, "invalid DNS name"),
+        ({"dns": ["10.0.0.5"]}, "10.0.0.5 is an IP address, not a DNS name: pass it with --ip 10.0.0.5"),
         ({"days": 0}, "at least 1 day"),
         ({"days": 4000}, "outlive the CA"),
     ],
