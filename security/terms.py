@@ -216,8 +216,8 @@ def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> 
         if ts.noise_multiplier < sd.noise_multiplier * (1 - TOLERANCE):
             breach("sample_dp.min_noise_multiplier", f"noise multiplier {sd.noise_multiplier:g}",
                    f"noise multiplier {ts.noise_multiplier:g}", "a task lowered the DP-SGD noise")
-        if ts.clip_norm > sd.clip_norm * (1 + TOLERANCE):
-            breach("sample_dp.min_noise_multiplier", f"clip norm {sd.clip_norm:g}", f"clip norm {ts.clip_norm:g}",
+        if ts.clip_norm > sd.clip_norm * (1 + TOLERANCE):  # no policy clause bounds it: the pinned terms do
+            breach("terms", f"DP-SGD clip norm {sd.clip_norm:g}", f"DP-SGD clip norm {ts.clip_norm:g}",
                    "a task raised the DP-SGD clip norm")
         if not _close(ts.delta, sd.delta) or (sd.epsilon_budget and not _close(ts.epsilon_budget, sd.epsilon_budget)):
             breach("sample_dp.delta", f"delta {sd.delta:g}, budget {sd.epsilon_budget:g}",

@@ -149,7 +149,9 @@ def server_credentials(bundle_dir: Path) -> grpc.ServerCredentials:
 
 
 class ReloadingServerCredentials:
-    """Hub credentials that serve a renewed certificate (or a rotated CA) to new connections without a restart.
+    """Hub credentials that serve a renewed certificate (or a rotated CA, for TLS: with secure aggregation on, the
+    hub checks silos' signed keys against the CA it read at start, so a rotated CA needs a restart, as
+    docs/security.md says) to new connections without a restart.
 
     gRPC asks ``_fetch`` before every new TLS handshake; it stat()s the bundle's three files and, when one
     changed, re-reads and re-checks the whole bundle. A bundle caught half-copied (a new cert.pem with the old

@@ -182,6 +182,7 @@ def test_a_task_that_agrees_with_the_pinned_terms_is_no_breach():
     (lambda t: t.ClearField("client_dp"), "client_dp.required", "a task changed client-level DP"),
     (lambda t: t.sample_dp.__setattr__("noise_multiplier", 0.3), "sample_dp.min_noise_multiplier",
      "a task lowered the DP-SGD noise"),
+    (lambda t: t.sample_dp.__setattr__("clip_norm", 50.0), "terms", "a task raised the DP-SGD clip norm"),
 ])
 def test_a_task_asking_less_than_the_pinned_terms_is_a_breach_naming_both_values(change, clause, words):
     terms = pinned_terms()
