@@ -154,7 +154,12 @@ class SiloMetrics:
             }
         self.values = families.values[silo]
         if certs is not None:
-            families.certificates.files[silo] = Path(certs) / "cert.pem"
+            # The certificate this silo dials with: its bundle is read once, when it starts, so a renewed file on
+            # disk is not in use before a restart and must not silence the expiry alert.
+            try:
+                families.certificates.in_use[silo] = (Path(certs) / "cert.pem").read_bytes()
+            except OSError:  # missing or unreadable: the TLS layer reports that; here it has no series
+                pass
 
     def _set(self, family: Family, value: float, label: str | None = None) -> None:
         with self.f.lock:
@@ -235,17 +240,18 @@ class SiloMetrics:
 
 
 class _CertificateCollector(Collector):
-    """Time left on each silo's own certificate, read from its bundle at scrape time (renewals show at once)."""
+    """Time left on the certificate each silo dials with (read from its bundle when it started, as the silo does:
+    a renewal shows once the silo restarts on it)."""
 
     def __init__(self) -> None:
-        self.files: dict[str, Path] = {}
+        self.in_use: dict[str, bytes] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("silokit_silo_certificate_remaining_seconds", "Time until this silo's client "
                                    "certificate expires.", labels=["silo"])
-        for silo, path in sorted(self.files.items()):
+        for silo, pem in sorted(self.in_use.items()):
             try:
-                family.add_metric([silo], cert_days_left(path.read_bytes()) * 86400.0)
-            except Exception:  # missing or unreadable: the TLS layer reports that; here it has no series
+                family.add_metric([silo], cert_days_left(pem) * 86400.0)
+            except Exception:  # not a certificate: the TLS layer reports that; here it has no series
                 continue
         yield family

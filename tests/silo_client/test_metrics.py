@@ -5,7 +5,7 @@ import math
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from security.pki import init_ca, issue_silo
+from security.pki import init_ca, issue_silo, renew
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 
 
@@ -52,3 +52,16 @@ def test_two_silos_in_one_registry_keep_their_own_series(tmp_path):
     assert s[("silokit_silo_last_contact_timestamp_seconds", A)] > 1.6e9
     assert 29 * 86400 < s[("silokit_silo_certificate_remaining_seconds", A)] <= 30 * 86400
     assert ("silokit_silo_certificate_remaining_seconds", B) not in s  # no bundle given: no series rather than a guess
+
+
+def test_the_certificate_series_is_the_one_the_silo_dials_with_until_it_restarts(tmp_path):
+    """A silo reads its bundle once, at start: a renewed cert.pem copied in is not in use before a restart, so the
+    series keeps counting down to the old certificate's expiry (else its expiry alert would go quiet)."""
+    ca = init_ca(tmp_path / "ca")
+    certs = issue_silo(ca, "silo-a", tmp_path / "a", days=10)
+    families = SiloMetricFamilies()
+    SiloMetrics(families, "silo-a", certs=certs)
+    renewed = renew(ca, "silo-a", tmp_path / "renewed", days=90)
+    (certs / "cert.pem").write_bytes((renewed / "cert.pem").read_bytes())
+    left = samples(families)[("silokit_silo_certificate_remaining_seconds", (("silo", "silo-a"),))]
+    assert 9 * 86400 < left <= 10 * 86400
