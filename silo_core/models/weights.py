@@ -128,8 +128,9 @@ def read_run_weights(directory: Path | str, spec: ModelSpec) -> dict[str, torch.
         if wrong:
             said = ", ".join(f"{k} {theirs[k]!r} there, {ours[k]!r} here" for k in wrong)
             raise ValueError(f"model.init_from_run: the run in {directory} trained another model ({said}); "
-                             f"match model.name/in_channels/options.norm to it, or start from its weights with model.init_weights: "
-                             f"{directory / RUN_WEIGHTS} (a different class count re-initialises the classifier)")
+                             f"match model.name/in_channels/options.norm to it, or start from its weights with "
+                             f"model.init_weights: {directory / RUN_WEIGHTS} (a different class count "
+                             f"re-initialises the classifier)")
     return read_weights(directory / RUN_WEIGHTS)
 
 

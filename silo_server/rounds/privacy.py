@@ -439,8 +439,9 @@ def plan_lines(section: PrivacySection, max_update_norm: float | None, sampled: 
         fewest = sa.fewest_sampled()
         shape = sa.plan(max(fewest, sampled or 0))
         lines.append(f"secure aggregation: rounds sample at least {fewest} silos to survive {sa.dropouts} dropout(s) "
-                     f"(privacy.secure_aggregation.dropouts) and hold min_cohort {sa.min_cohort}; with {shape.sampled} sampled: {shape.neighbours} "
-                     f"neighbours, threshold {shape.threshold}, survives {shape.survives}")
+                     f"(privacy.secure_aggregation.dropouts) and hold min_cohort {sa.min_cohort}; with "
+                     f"{shape.sampled} sampled: {shape.neighbours} neighbours, threshold {shape.threshold}, survives "
+                     f"{shape.survives}")
         if max_update_norm is not None and not dp.enabled:
             lines.append(f"bound not enforced per silo: security.max_update_norm ({max_update_norm:g}) cannot be "
                          "checked on one silo's masked update; the hub checks only the round's sum (<= the bound x "
