@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,58 @@ class Quarantine:
     attempts: int
     reason: str
     at: str
+
+
+class BreakerSearch:
+    """The round loop's side of the search: the hunt (checkpointed with the round), the cohorts it draws while a
+    search is under way, and the quarantine of the breaker it finds (`quarantine`: the registry's)."""
+
+    def __init__(self, quarantine: Callable[[Quarantine], None], seed: int):
+        self.hunt = BreakerHunt()
+        self.quarantine = quarantine
+        self.seed = seed
+        self.said_no_spare = False  # the hub said once that it cannot search (no spare silos)
+
+    def cohort(self, live: list[str], sampled: set[str], size: int, r: int, attempt: int) -> set[str]:
+        """A cohort of `size` silos (the fewest a round may have: it splits the suspects fastest) holding about
+        half of the live suspects; the usual sample when no such cohort exists (no spare silos)."""
+        rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt + 7)
+        cohort = self.hunt.cohort(live, size, rng) if size < len(live) else None
+        if cohort is None:
+            if not self.said_no_spare:
+                self.said_no_spare = True
+                log.error("round %d: a silo keeps breaking the securely aggregated sum, and with %d live silos and "
+                          "rounds of at least %d none can be left out to find it (no spare silos): the round keeps "
+                          "failing until more silos connect or the breaker is revoked (suspects: %s)", r, len(live),
+                          size, ", ".join(sorted(self.hunt.suspects)[:10]))
+            return sampled
+        log.info("round %d attempt %d: looking for the silo that breaks the secure sum: %d suspects, this cohort of "
+                 "%d holds %d of them", r, attempt, len(self.hunt.suspects), len(cohort),
+                 len(set(cohort) & self.hunt.suspects))
+        return set(cohort)
+
+    def sum_refused(self, r: int, attempt: int, contributors: Iterable[str]) -> None:
+        """A cohort's secure sum failed its check: narrow the suspects; quarantine the breaker once it is found."""
+        breaker = self.hunt.failed(contributors)
+        if breaker is None:
+            log.warning("round %d attempt %d: the secure sum failed its check; %d suspects left (%s)", r, attempt,
+                        len(self.hunt.suspects), ", ".join(sorted(self.hunt.suspects)[:10]))
+            return
+        self._found(breaker, r)
+
+    def sum_passed(self, r: int, contributors: Iterable[str]) -> None:
+        """A sum that passed its check: its silos are not the breaker."""
+        breaker = self.hunt.passed(contributors) if self.hunt.active else None
+        if breaker is not None:
+            self._found(breaker, r)
+
+    def _found(self, breaker: str, round_number: int) -> None:
+        attempts = self.hunt.failed_attempts
+        self.hunt.restore({})  # the search is over (the same object the checkpoint holds)
+        self.quarantine(Quarantine(
+            silo=breaker, round=round_number, attempts=attempts, at=now_iso(),
+            reason=f"in every cohort whose securely aggregated sum failed its check ({attempts} failed attempts) and "
+                   f"in none whose sum passed"))
 
 
 class QuarantineList:

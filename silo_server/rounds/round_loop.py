@@ -8,7 +8,6 @@ import itertools
 import json
 import logging
 import math
-import random
 import statistics
 import threading
 import time
@@ -22,7 +21,7 @@ from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
 from silo_core.rounds import AggregationRound, RoundRecord, Sampling
 from silo_core.tensors import TensorSpec, encode, sha256_hex
 from silo_server.rounds.aggregate import RunningSum
-from silo_server.rounds.breaker import BreakerHunt, Quarantine, now_iso
+from silo_server.rounds.breaker import BreakerHunt, BreakerSearch
 from silo_server.rounds.memory import RssMeter
 from silo_server.rounds.privacy import (
     BudgetExhausted,
@@ -172,9 +171,8 @@ class RoundLoop:
         self.rss_meter = RssMeter()
         # The search for a silo that breaks the secure sum (silo_server/rounds/breaker.py), and whether the hub has said
         # it cannot search (no spare silos).
-        self.hunt = BreakerHunt()
-        records.hunt = self.hunt  # checkpointed with the round: a restarted hub goes on with the search
-        self.said_no_spare = False
+        self.breaker = BreakerSearch(registry.quarantine_silo, settings.seed)
+        records.hunt = self.breaker.hunt  # checkpointed with the round: a restarted hub goes on with the search
         self.task: ActiveTask | None = None
         self.phase = "starting"
         self.round = 0
@@ -237,6 +235,11 @@ class RoundLoop:
         for silo_id in sorted(self.task.sampled - self.task.gone):
             if self.registry.revoked(silo_id):
                 self.evict(silo_id)
+
+    @property
+    def hunt(self) -> BreakerHunt:
+        """The search for a silo that breaks the secure sum under way (empty: none)."""
+        return self.breaker.hunt
 
     # ------------------------------------------------------------------ results coming in
     def accept_stage(self, silo_id: str, task: ActiveTask, stage: str, payload: bytes, total_bytes: int) -> None:
@@ -370,7 +373,7 @@ class RoundLoop:
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
             sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
             if self.hunt.active:  # a sum failed its check: this cohort holds only part of the suspects
-                sampled = self._breaker_cohort(live, sampled, r, attempt)
+                sampled = self.breaker.cohort(live, sampled, self.fewest_sampled(), r, attempt)
             task = ActiveTask(
                 round=r, attempt=attempt,
                 task_id=f"{self.records.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
@@ -426,7 +429,7 @@ class RoundLoop:
             except RoundFailed as failed:
                 failure = str(failed)
                 if isinstance(failed, SumRefused):
-                    self._sum_refused(task, failed.contributors)
+                    self.breaker.sum_refused(task.round, task.attempt, failed.contributors)
             finally:
                 if task.updates is not None:  # the round's update files go once it is applied or failed
                     task.updates.delete()
@@ -434,10 +437,8 @@ class RoundLoop:
                 self._round_failed(task, failure)
                 continue
             self._mark_dropped(task)
-            if private is not None and private.contributors and self.hunt.active:
-                breaker = self.hunt.passed(private.contributors)  # a sum that passed: its silos are not the breaker
-                if breaker is not None:
-                    self._quarantine(breaker, task.round)
+            if private is not None and private.contributors:
+                self.breaker.sum_passed(task.round, private.contributors)
             return self._complete_round(state, metrics, task.started, task, aggregation_seconds, private, decision)
         raise AssertionError("unreachable")
 
@@ -455,42 +456,6 @@ class RoundLoop:
                         "updates", task.round, decision.rule, decision.excluded, ", ".join(decision.excluded_silos),
                         decision.down_weighted, ", ".join(decision.down_weighted_silos), decision.updates)
         return sums, decision
-
-    def _breaker_cohort(self, live: list[str], sampled: set[str], r: int, attempt: int) -> set[str]:
-        """A cohort of the fewest silos a round may have, holding about half of the live suspects
-        (silo_server/rounds/breaker.py); the usual sample when no such cohort exists (no spare silos)."""
-        size = self.fewest_sampled()  # the smallest legal cohort splits the suspects fastest
-        rng = random.Random(self.settings.seed * 1_000_003 + r * 101 + attempt + 7)
-        cohort = self.hunt.cohort(live, size, rng) if size < len(live) else None
-        if cohort is None:
-            if not self.said_no_spare:
-                self.said_no_spare = True
-                log.error("round %d: a silo keeps breaking the securely aggregated sum, and with %d live silos and "
-                          "rounds of at least %d none can be left out to find it (no spare silos): the round keeps "
-                          "failing until more silos connect or the breaker is revoked (suspects: %s)", r, len(live),
-                          self.fewest_sampled(), ", ".join(sorted(self.hunt.suspects)[:10]))
-            return sampled
-        log.info("round %d attempt %d: looking for the silo that breaks the secure sum: %d suspects, this cohort of "
-                 "%d holds %d of them", r, attempt, len(self.hunt.suspects), len(cohort),
-                 len(set(cohort) & self.hunt.suspects))
-        return set(cohort)
-
-    def _sum_refused(self, task: ActiveTask, contributors: list[str]) -> None:
-        """A cohort's secure sum failed its check: narrow the suspects; quarantine the breaker once it is found."""
-        breaker = self.hunt.failed(contributors)
-        if breaker is None:
-            log.warning("round %d attempt %d: the secure sum failed its check; %d suspects left (%s)", task.round,
-                        task.attempt, len(self.hunt.suspects), ", ".join(sorted(self.hunt.suspects)[:10]))
-            return
-        self._quarantine(breaker, task.round)
-
-    def _quarantine(self, breaker: str, round_number: int) -> None:
-        attempts = self.hunt.failed_attempts
-        self.hunt.restore({})  # the search is over (the same object the checkpoint holds)
-        self.registry.quarantine_silo(Quarantine(
-            silo=breaker, round=round_number, attempts=attempts, at=now_iso(),
-            reason=f"in every cohort whose securely aggregated sum failed its check ({attempts} failed attempts) and "
-                   f"in none whose sum passed"))
 
     def _mark_dropped(self, task: ActiveTask) -> None:
         """Sampled silos that did not report are not sampled again until they poll again."""
