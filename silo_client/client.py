@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +45,10 @@ from silo_client.hub_link import (
     HubTlsRefused,
     describe_rpc_error,
     retry_after_s,
-    upload_refused,
 )
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
-from silo_client.outbox import Outbox, PolicyStop, metrics_allowed
+from silo_client.outbox import Outbox, PolicyStop, SentUpload, metrics_allowed
 from silo_client.policy import Refusal, allowed_factories, check_run, required_noise_std
 from silo_client.privacy import SessionFloor, SiloPrivacy
 from silo_client.run_checks import (
@@ -83,17 +81,6 @@ from silo_core.training import resolve_device
 VERSION = "0.2.0"
 NEXT_TASK_TIMEOUT_S = 330.0  # above the hub's longest long-poll (server.long_poll_s, at most 300 s)
 _TERMS_SAID: set[tuple[str, str]] = set()  # (run, terms hash) whose terms this process has logged
-
-
-@dataclass(frozen=True)
-class SentUpload:
-    """A result sent in the clear: what went, and the ledger's figures it went with."""
-
-    task_id: str
-    tensors: dict[str, torch.Tensor]
-    metrics: dict[str, float]
-    skipped: bool
-    epsilon: dict | None
 
 
 def run_here(work: Callable[..., Any], *args: Any) -> Any:
@@ -167,8 +154,6 @@ class SiloClient:
             verifier = PeerVerifier(self.hub_check.trusted_ca, self.hub_check.revoked)
         self.privacy = SiloPrivacy(send_result=self._upload, send_stage=self._send_stage, identity=identity,
                                    verifier=verifier)
-        self.last_upload: SentUpload | None = None  # the last update sent in the clear, for a task asked again
-        self.refused_tasks: set[str] = set()  # tasks whose upload the hub received and refused: not sent again
         say_policy_once(self.log, self.policy, self.state_dir)
         # What the silo does next (join, wait for a task, back off, stop): one state machine decides.
         self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
@@ -446,16 +431,8 @@ class SiloClient:
 
     def _upload(self, task: silo_pb2.Task, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
                 skipped: bool, epsilon: dict | None) -> int:
-        """Send a result in the clear (through the Outbox), kept until the next one so that the same task asked
-        again gets the same bytes."""
-        self.last_upload = SentUpload(task.task_id, tensors, metrics, skipped, epsilon)
-        try:
-            size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
-        except grpc.RpcError as err:
-            if upload_refused(err):  # the same bytes would be refused again: wait the task out instead
-                self.refused_tasks.add(task.task_id)
-                self.last_upload = None
-            raise
+        """Send a result in the clear (through the Outbox, which keeps it for the same task asked again)."""
+        size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
         self.metrics.sent(size)
         return size
 
@@ -476,7 +453,7 @@ class SiloClient:
                          task.task_id)
 
     def _train(self, task: silo_pb2.Task) -> None:
-        sent = self.last_upload
+        sent = self.outbox.last_upload
         if sent is not None and sent.task_id == task.task_id:
             self._resend(task, sent)
             return
@@ -578,7 +555,7 @@ class SiloClient:
                 self.log.info("the hub says the run is over (%s); %d rounds contributed", task.message,
                               len(self.rounds_done))
                 return Outcome("done", message=task.message)
-            if kind == "TRAIN" and task.task_id in self.refused_tasks:
+            if kind == "TRAIN" and task.task_id in self.outbox.refused_tasks:
                 # The hub refused this task's update (its content, its size) and offers the task until the round
                 # closes: neither the same bytes nor a retrained update would pass, so wait it out quietly.
                 return Outcome("task", task_kind="WAIT", retry_after=WAIT_TASK_CAP_S)

@@ -14,12 +14,15 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 
 from security.audit import AuditLog
 from silo.v1 import silo_pb2
+from silo_client.hub_link import upload_refused
 from silo_client.ledger import EPSILON_KEYS, RELEASE, RunEpsilon
 from silo_client.policy import BranchPolicy, Refusal, check_upload
 from silo_core.tensors import CHUNK_BYTES, encode, iter_chunks, sha256_hex
@@ -35,6 +38,17 @@ class PolicyStop(Exception):
     def __init__(self, refusal: Refusal):
         super().__init__(refusal.message)
         self.refusal = refusal
+
+
+@dataclass(frozen=True)
+class SentUpload:
+    """A result sent in the clear: what went, and the ledger's figures it went with."""
+
+    task_id: str
+    tensors: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    skipped: bool
+    epsilon: dict | None
 
 
 def epsilon_fields(figures: RunEpsilon | None, lifetime: float | None,
@@ -65,6 +79,11 @@ class Outbox:
         self.run_id = ""
         self.terms_sha256 = ""
         self.chunk_bytes = CHUNK_BYTES
+        # The last result sent in the clear, so that the same task asked again gets the same bytes (training again
+        # would release a second, differently noised update), and the tasks whose upload the hub received and
+        # refused, which are not sent again.
+        self.last_upload: SentUpload | None = None
+        self.refused_tasks: set[str] = set()
 
     def pin(self, run_id: str, terms_sha256: str, chunk_bytes: int = 0) -> None:
         self.run_id, self.terms_sha256 = run_id, terms_sha256
@@ -120,7 +139,14 @@ class Outbox:
                      sha256=header.sha256, skipped=skipped, metrics=sorted(metrics),
                      tensors=[[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
                               for n, t in sorted(tensors.items())], epsilon=epsilon)
-        self._stream(header, payload)
+        self.last_upload = SentUpload(task.task_id, dict(tensors), dict(metrics), skipped, epsilon)
+        try:
+            self._stream(header, payload)
+        except grpc.RpcError as err:
+            if upload_refused(err):  # the same bytes would be refused again: the task is waited out instead
+                self.refused_tasks.add(task.task_id)
+                self.last_upload = None
+            raise
         return len(payload)
 
     def stage(self, task_id: str, round_number: int, stage: str, payload: bytes, epsilon: dict | None,
