@@ -52,12 +52,17 @@ def host_threads(cores: int, hosts: int, silo_cpus: float | None = None) -> int:
     return max(1, cores // max(1, hosts))
 
 
+def hub_section(staged, name: str) -> dict[str, Any]:
+    """One section of the staged hub.yaml as written (empty when absent: the hub's defaults apply)."""
+    return yaml.safe_load(staged.hub_config.read_text()).get(name) or {}
+
+
 def hub_final_scrape_s(staged) -> float:
     """How long the hub waits for a last scrape (its metrics.final_scrape_s): every silo host waits as long, so
     that one --hub-set moves both ends of the run's final metrics."""
     from silo_server.config import MetricsSection
 
-    metrics = yaml.safe_load(staged.hub_config.read_text()).get("metrics") or {}
+    metrics = hub_section(staged, "metrics")
     return float(metrics.get("final_scrape_s", MetricsSection.model_fields["final_scrape_s"].default))
 
 
@@ -65,7 +70,7 @@ def hub_port(staged) -> int:
     """The port the hub will listen on, known before it starts so that the silo hosts start beside it: the staged
     hub.yaml's server.port, or (0, the sim's default) a free one picked here, below the ephemeral range, and handed
     to silo-server --port."""
-    server = yaml.safe_load(staged.hub_config.read_text()).get("server") or {}
+    server = hub_section(staged, "server")
     if int(server.get("port", 0)):
         return int(server["port"])
     return free_port_outside_ephemeral_range(server.get("host", "127.0.0.1"))
