@@ -134,7 +134,8 @@ class SemiFLHub(HubAlgorithm):
         model = self.initial_model()
         o = self.options
         loss = self._server_update(model, 1, o.hub_epochs if o.init_epochs is None else o.init_epochs)
-        momentum = {f"momentum/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
+        # On the CPU like every tensor of the hub's state (the server update may have moved the model to CUDA).
+        momentum = {f"momentum/{n}": torch.zeros_like(p, device="cpu") for n, p in model.named_parameters()}
         return HubState(round=0, tensors={**model_tensors(model), **momentum}, meta={"hub_loss": loss})
 
     def begin_round(self, state: HubState) -> RoundPlan:

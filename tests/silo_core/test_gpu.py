@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from silo_core.algorithms.base import RoundPlan, SiloData, model_tensors
+from silo_core.algorithms import ALGORITHMS
+from silo_core.algorithms.base import HubData, RoundPlan, SiloData, model_tensors
 from silo_core.algorithms.semifl import SemiFLOptions, SemiFLSilo
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
@@ -19,6 +20,7 @@ SIZE = 32
 SPEC = ModelSpec(num_classes=3, in_channels=3, image_size=SIZE, mean=[0.5] * 3, std=[0.5] * 3, options={"width": 8})
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = [CPU, pytest.param(torch.device("cuda"), marks=[pytest.mark.gpu, needs_cuda], id="cuda")]
 
 
 def test_the_cpu_path_takes_no_autocast_no_channels_last_and_no_pinning():
@@ -73,3 +75,24 @@ def test_evaluation_on_cuda_agrees_with_the_cpu(tmp_path: Path):
     assert all(torch.isfinite(torch.tensor(v)) for v in on_gpu.values())
     assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], rel=0.05)
     assert abs(on_gpu["accuracy"] - on_cpu["accuracy"]) <= 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: str(d))
+@pytest.mark.parametrize("method", sorted(ALGORITHMS))
+def test_every_hub_keeps_its_state_on_the_cpu_whatever_device_it_trains_on(method: str, device: torch.device):
+    # The sums arrive on the CPU (decoded from the wire) and the state is checkpointed and sent from there: a hub
+    # that trained on CUDA once left SemiFL's server momentum on the GPU, and round 1 failed on mixed devices.
+    entry = ALGORITHMS[method]
+    spec = ModelSpec(num_classes=3, in_channels=1, image_size=28, options={"width": 4})
+    images, labels = torch.randint(0, 255, (12, 1, 28, 28), dtype=torch.uint8), torch.arange(12) % 3
+    options = entry.options.model_validate({"hub_epochs": 1} if "hub_epochs" in entry.options.model_fields else {})
+    hub = entry.hub(options, spec, HubData(images, labels, images, labels), device, 0, 2)
+    state = hub.init_state()
+    plan = hub.begin_round(state)
+    sums = {name: torch.zeros(want.shape, dtype=getattr(torch, want.dtype)) for name, want in plan.expected.items()}
+    sums.update({name: torch.ones(1) for name in sums if name.endswith("weight")})
+    after, _ = hub.finish_round(state, sums, {})
+    assert after.round == 1
+    for tensors in (state.tensors, after.tensors):
+        assert {t.device.type for t in tensors.values()} == {"cpu"}
+        assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
