@@ -107,7 +107,7 @@ class SiloClient:
             raise DataError("no data: pass --data with the folder of this silo's unlabeled images and/or --labeled "
                             "with a folder of labeled images (one sub-folder per class)")
         self.num_files = count_image_files(settings.data) if settings.data is not None else 0
-        self.num_labeled_files = count_image_files(settings.labeled) if settings.labeled is not None else 0
+        self.num_labeled_files = count_image_files(settings.labeled, "--labeled") if settings.labeled is not None else 0
         if self.num_files == 0 and settings.data is not None and self.num_labeled_files == 0:
             raise DataError(f"data folder {settings.data} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                             f"point --data at the folder of this silo's images")

@@ -51,9 +51,11 @@ def check_upload_fits(run: silo_pb2.RunDescription) -> None:
                         f"this silo could be accepted; ask the hub's operator to raise it")
 
 
-def count_image_files(root: Path) -> int:
+def count_image_files(root: Path, flag: str = "--data") -> int:
+    """The images in the folder given with `flag` (--data or --labeled), whose name the error gives."""
     if not root.is_dir():
-        raise DataError(f"data folder {root} does not exist; pass --data with the folder of this silo's images")
+        what = "the folder of this silo's images" if flag == "--data" else "a folder of labeled images"
+        raise DataError(f"{flag} folder {root} does not exist; pass {flag} with {what}")
     return count_listed_images(root)
 
 

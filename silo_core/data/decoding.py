@@ -114,12 +114,15 @@ def _open_image(fh: BinaryIO, path: Path) -> Image.Image:
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
-    """16-bit and float images (common in medical data) scaled to 8 bits; plain convert("L") would clip them."""
+    """16-bit and float images (common in medical data) scaled to 8 bits; plain convert("L") would clip them.
+    The scale follows the mode alone, never the pixels: two files of one scanner's export must decode a stored value
+    to the same 8-bit value whatever else each image holds. Integer images are read as 16-bit (0..65535, as PNG and
+    TIFF store them), float images as intensities in [0, 1]."""
     arr = np.asarray(img, dtype=np.float64)
-    if img.mode.startswith("I;16") or (img.mode == "I" and arr.size and arr.max() > 255):
+    if img.mode.startswith("I"):
         arr = arr / 257.0  # 0..65535 -> 0..255
-    elif img.mode == "F" and arr.size and arr.max() <= 1.0:
-        arr = arr * 255.0  # float images in [0, 1]
+    elif img.mode == "F":
+        arr = arr * 255.0  # [0, 1] -> 0..255; values outside clip, as in torchvision's float-to-uint8 conversion
     return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
 
 

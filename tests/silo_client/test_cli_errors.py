@@ -41,6 +41,10 @@ def test_missing_and_empty_data_folders(tmp_path):
     rc, err = run_client("--data", str(tmp_path / "empty"), "--certs", str(certs))
     assert rc == 2
     assert_one_clear_line(err, "holds no images")
+    # A mistyped --labeled is named as such, not blamed on --data.
+    rc, err = run_client("--data", str(tmp_path / "empty"), "--labeled", str(tmp_path / "typo"), "--certs", str(certs))
+    assert rc == 2
+    assert_one_clear_line(err, "--labeled folder", "typo", "does not exist")
 
 
 def test_missing_certificates_name_the_file(tmp_path):

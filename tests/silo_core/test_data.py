@@ -157,6 +157,21 @@ def test_16_bit_images_are_scaled_not_clipped(tmp_path: Path):
     assert int(x[0, 0, 0]) == 100 and int(x[0, 0, 11]) == 255
 
 
+def test_a_stored_value_decodes_the_same_whatever_else_its_image_holds(tmp_path: Path):
+    # The scale follows the mode, not the pixels: 32-bit integer and float TIFFs of one export once decoded a value
+    # on scales 257 times apart depending on the image's maximum (200 -> 200 or 1; 0.5 -> 128 or 0).
+    dark, bright = np.full((8, 8), 200, dtype=np.int32), np.full((8, 8), 200, dtype=np.int32)  # 16-bit values
+    bright[0, 0] = 65535
+    faint, hot = np.full((8, 8), 0.5, dtype=np.float32), np.full((8, 8), 0.5, dtype=np.float32)
+    hot[0, 0] = 1.5
+    for name, arr in {"dark": dark, "bright": bright, "faint": faint, "hot": hot}.items():
+        Image.fromarray(arr).save(tmp_path / f"{name}.tif")
+    assert Image.open(tmp_path / "dark.tif").mode == "I" and Image.open(tmp_path / "faint.tif").mode == "F"
+    decoded = {n: load_image_file(tmp_path / f"{n}.tif", 8, 1)[0] for n in ("dark", "bright", "faint", "hot")}
+    assert {n: (int(x[0, 0]), int(x[4, 4])) for n, x in decoded.items()} == {
+        "dark": (1, 1), "bright": (255, 1), "faint": (128, 128), "hot": (255, 128)}
+
+
 def test_load_image_file_errors_name_the_file(tmp_path: Path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG not really")
