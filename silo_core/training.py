@@ -34,8 +34,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """bfloat16 autocast on a CUDA device that has it (Ampere and later): convolutions run on tensor cores at about
     twice float32's speed, and bfloat16 keeps float32's exponent range, so no loss scaling is needed. Elsewhere (the
-    CPU, older GPUs) nothing changes: float32, bit for bit as before. Static BN statistics and DP-SGD never use it."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    CPU, older GPUs) nothing changes: float32, bit for bit as before. Static BN statistics and DP-SGD never use it.
+    The capability of `device` itself decides: torch.cuda.is_bf16_supported() answers for the current device and
+    counts emulated bfloat16, which pre-Ampere GPUs (V100, T4) run slower than float32."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -271,5 +273,6 @@ def hub_update(model: nn.Module, images: Images, labels: torch.Tensor, **train_a
     """SemiFL's ServerUpdate (train_supervised with the same arguments) followed by the static-BN statistics of
     the hub's labeled images."""
     loss = train_supervised(model, images, labels, **train_args)
-    compute_static_bn(model, clean_batches(images, train_args["mean"], train_args["std"], train_args["device"]))
+    device = train_args["device"]  # on_device: with 0 epochs train_supervised returned before moving the model
+    compute_static_bn(on_device(model, device), clean_batches(images, train_args["mean"], train_args["std"], device))
     return loss

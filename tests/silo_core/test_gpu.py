@@ -5,6 +5,7 @@ here pin that the CPU path never takes any of it."""
 import contextlib
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 
@@ -85,14 +86,34 @@ def test_every_hub_keeps_its_state_on_the_cpu_whatever_device_it_trains_on(metho
     entry = ALGORITHMS[method]
     spec = ModelSpec(num_classes=3, in_channels=1, image_size=28, options={"width": 4})
     images, labels = torch.randint(0, 255, (12, 1, 28, 28), dtype=torch.uint8), torch.arange(12) % 3
-    options = entry.options.model_validate({"hub_epochs": 1} if "hub_epochs" in entry.options.model_fields else {})
-    hub = entry.hub(options, spec, HubData(images, labels, images, labels), device, 0, 2)
-    state = hub.init_state()
-    plan = hub.begin_round(state)
-    sums = {name: torch.zeros(want.shape, dtype=getattr(torch, want.dtype)) for name, want in plan.expected.items()}
-    sums.update({name: torch.ones(1) for name in sums if name.endswith("weight")})
-    after, _ = hub.finish_round(state, sums, {})
-    assert after.round == 1
-    for tensors in (state.tensors, after.tensors):
-        assert {t.device.type for t in tensors.values()} == {"cpu"}
-        assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+    fields = entry.options.model_fields
+    for epochs in (1, 0):  # 0: no hub training at all, so nothing moved the model to the device before static BN
+        chosen = {k: epochs for k in ("hub_epochs", "init_epochs", "hub_warmup_epochs") if k in fields}
+        try:
+            options = entry.options.model_validate(chosen)
+        except pydantic.ValidationError:
+            assert epochs == 0 and method == "hassle"  # HASSLE's hub always trains (hub_epochs >= 1)
+            continue
+        hub = entry.hub(options, spec, HubData(images, labels, images, labels), device, 0, 2)
+        state = hub.init_state()
+        plan = hub.begin_round(state)
+        sums = {n: torch.zeros(want.shape, dtype=getattr(torch, want.dtype)) for n, want in plan.expected.items()}
+        sums.update({name: torch.ones(1) for name in sums if name.endswith("weight")})
+        after, _ = hub.finish_round(state, sums, {})
+        assert after.round == 1
+        for tensors in (state.tensors, after.tensors):
+            assert {t.device.type for t in tensors.values()} == {"cpu"}
+            assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # torch.autocast("cuda") made on a machine without one
+@pytest.mark.parametrize(("capability", "bf16"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_bfloat16_autocast_only_on_a_gpu_that_has_it_in_hardware(monkeypatch, capability, bf16):
+    # torch.cuda.is_bf16_supported() counts emulation and says yes on a V100 or T4, where bfloat16 is slower than
+    # float32; the device's own compute capability decides (Ampere is 8.x).
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    context = autocast(torch.device("cuda", 1))
+    assert isinstance(context, torch.autocast) == bf16
+    assert asked == [torch.device("cuda", 1)]  # the device given, not the current one
