@@ -48,7 +48,7 @@ from silo_client.hub_link import (
 )
 from silo_client.ledger import BranchLedger
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
-from silo_client.outbox import Outbox, PolicyStop, SentUpload, metrics_allowed
+from silo_client.outbox import Charge, Outbox, PolicyStop, SentUpload, metrics_allowed
 from silo_client.policy import Refusal, allowed_factories, check_run, required_noise_std
 from silo_client.privacy import SessionFloor, SiloPrivacy
 from silo_client.run_checks import (
@@ -430,22 +430,22 @@ class SiloClient:
         return TaskBudget(self.policy, self.ledger, self.pinned, self.run.run_id, task)
 
     def _upload(self, task: silo_pb2.Task, tensors: dict[str, torch.Tensor], metrics: dict[str, float],
-                skipped: bool, epsilon: dict | None) -> int:
+                skipped: bool, charge: Charge | None) -> int:
         """Send a result in the clear (through the Outbox, which keeps it for the same task asked again)."""
-        size = self.outbox.upload(task, tensors, metrics, skipped, epsilon)
+        size = self.outbox.upload(task, tensors, metrics, skipped, charge)
         self.metrics.sent(size)
         return size
 
-    def _send_stage(self, task_id: str, round_number: int, stage: str, payload: bytes, epsilon: dict | None,
+    def _send_stage(self, task_id: str, round_number: int, stage: str, payload: bytes, charge: Charge | None,
                     tensors: list | None = None) -> None:
-        self.outbox.stage(task_id, round_number, stage, payload, epsilon, tensors)
+        self.outbox.stage(task_id, round_number, stage, payload, charge, tensors)
         self.metrics.sent(len(payload))
 
     def _resend(self, task: silo_pb2.Task, sent: SentUpload) -> None:
         """The hub asks again for a task whose result this silo already sent (it says the upload never arrived, or
         it lost it): the same bytes go again with the same ledger figures. Training again would release a second,
         differently noised update, which a hub could ask for over and over."""
-        self._upload(task, sent.tensors, sent.metrics, sent.skipped, sent.epsilon)
+        self._upload(task, sent.tensors, sent.metrics, sent.skipped, lambda: sent.epsilon)
         if task.round not in self.rounds_done:
             self.rounds_done.append(task.round)
         self.log.warning("round %d: the hub asked again for task %s, whose result this silo already sent; sent the "
@@ -487,7 +487,7 @@ class SiloClient:
             check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
         secagg = bool(task.privacy.secagg_session)
 
-        def charge() -> dict:  # the ledger's entry, written before anything derived from the update leaves
+        def charge() -> dict:  # the ledger's entry, written once the policy allows what leaves and before it does
             return budget.charge(metrics, self.metrics)
 
         if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves, and when to charge
@@ -499,7 +499,7 @@ class SiloClient:
             # update); the Outbox keeps them all in when the policy says so.
             asked = clear_metrics_allowed(self.pinned, task.privacy if private else None)
             self._upload(task, tensors, metrics_allowed(metrics, asked), result.skipped,
-                         None if result.skipped else charge())
+                         None if result.skipped else charge)
             sent = "skipped (nothing passed the threshold)" if result.skipped else "update sent"
         if sd.enabled and "sample_dp_epsilon" in metrics:
             spent = " (budget reached: no more training)" if metrics.get("sample_dp_budget_spent") else ""

@@ -27,6 +27,10 @@ from silo_client.ledger import EPSILON_KEYS, RELEASE, RunEpsilon
 from silo_client.policy import BranchPolicy, Refusal, check_upload
 from silo_core.tensors import CHUNK_BYTES, encode, iter_chunks, sha256_hex
 
+# Writes a release's ledger entry (or gives the figures of one already written) and returns its epsilon figures for
+# the audit record: called only once the message passed the policy, so a message the silo refuses costs nothing.
+Charge = Callable[[], dict | None]
+
 log = logging.getLogger("silo_client")
 
 UPLOAD_TIMEOUT_S = 600.0
@@ -126,12 +130,14 @@ class Outbox:
 
     # ------------------------------------------------------------------ calls with data
     def upload(self, task: silo_pb2.Task, tensors: Mapping[str, torch.Tensor], metrics: Mapping[str, float],
-               skipped: bool, epsilon: dict | None) -> int:
-        """A result in the clear (a skip, or tensors). PolicyStop when the policy forbids it: nothing is sent."""
+               skipped: bool, charge: Charge | None) -> int:
+        """A result in the clear (a skip, or tensors). PolicyStop when the policy forbids it: nothing is sent and
+        nothing charged (`charge` writes the ledger's entry only once the policy allows the upload)."""
         if self.policy is not None and not self.policy.clear_metrics:
             metrics = {}
         payload = encode(dict(tensors)) if tensors else b""
         self._check_size(len(payload), task.round)
+        epsilon = charge() if charge is not None else None
         header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task.task_id, round=task.round,
                                        total_bytes=len(payload), sha256=sha256_hex(payload), skipped=skipped,
                                        metrics=dict(metrics))
@@ -149,11 +155,12 @@ class Outbox:
             raise
         return len(payload)
 
-    def stage(self, task_id: str, round_number: int, stage: str, payload: bytes, epsilon: dict | None,
+    def stage(self, task_id: str, round_number: int, stage: str, payload: bytes, charge: Charge | None,
               tensors: list | None = None) -> None:
         """A secure-aggregation stage message (keys, encrypted shares, the masked input, a signature, revealed
         shares, or an abort with its reason)."""
         self._check_size(len(payload), round_number)
+        epsilon = charge() if charge is not None else None
         header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task_id, round=round_number,
                                        total_bytes=len(payload), sha256=sha256_hex(payload), secagg_stage=stage)
         self._record(f"secagg:{stage}", round=round_number, task=task_id, bytes=len(payload) + header.ByteSize(),

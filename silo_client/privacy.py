@@ -65,8 +65,9 @@ class SessionFloor:
 
 
 class SiloPrivacy:
-    """Transport-free: `send_result(task, tensors, metrics, skipped, epsilon)` uploads a result as usual and
-    `send_stage(task_id, round, stage, payload, epsilon, tensors)` uploads a secure-aggregation stage message.
+    """Transport-free: `send_result(task, tensors, metrics, skipped, charge)` uploads a result as usual and
+    `send_stage(task_id, round, stage, payload, charge, tensors)` uploads a secure-aggregation stage message;
+    each calls `charge` (silo_client/outbox.py Charge) once the policy allows the message, before it leaves.
     `identity` signs this silo's keys and `verifier` checks its neighbours' (None: an unsigned session, only under
     terms that say so: a hub in --insecure-dev-only mode)."""
 
@@ -97,7 +98,7 @@ class SiloPrivacy:
                      instructions.clip_norm, " (clipped)" if stats["clipped"] else "", instructions.noise_std)
             tensors = {n: t.to(torch.float32) if t.is_floating_point() else t for n, t in tensors.items()}
         if not secagg:
-            self.send_result(task, tensors, {}, result.skipped, None if result.skipped else charge())
+            self.send_result(task, tensors, {}, result.skipped, None if result.skipped else charge)
             return "update sent (clipped" + (", noised)" if noise_std or dp.noise_std else ")")
         session_id = p.secagg_session
         session = SiloSession(session_id, silo_id, identity=self.identity, verifier=self.verifier, run_id=run_id,
@@ -115,7 +116,7 @@ class SiloPrivacy:
             self.send_stage(task.task_id, task.round, "abort", b"no session here (silo restarted?)", None, None)
             return
         if stage in p.answers:  # our answer was lost on the way: send the same bytes again
-            self.send_stage(task.task_id, task.round, stage, p.answers[stage], p.epsilon, None)
+            self.send_stage(task.task_id, task.round, stage, p.answers[stage], lambda: p.epsilon, None)
             return
         tensors = None
         try:
@@ -128,7 +129,6 @@ class SiloPrivacy:
                     log.warning("round %d: %d values outside the fixed-point range were clipped; widen "
                                 "privacy.secure_aggregation.quantization at the hub", p.round, p.session.clipped_values)
                 p.tensors = {}
-                p.epsilon = p.charge()  # in the ledger before the masked input leaves
             elif stage == "consistency":
                 answer = p.session.consistency(task.secagg_payload)
             elif stage == "unmask":
@@ -138,10 +138,16 @@ class SiloPrivacy:
         except SecAggError as err:
             log.warning("round %d: leaving secure aggregation: %s", task.round, err)
             self.pending.pop(task.task_id, None)
-            self.send_stage(task.task_id, task.round, "abort", str(err).encode(), p.epsilon, None)
+            self.send_stage(task.task_id, task.round, "abort", str(err).encode(), lambda: p.epsilon, None)
             return
         p.answers[stage] = answer
-        self.send_stage(task.task_id, task.round, stage, answer, p.epsilon, tensors)
+
+        def charge() -> dict | None:  # the masked input is charged once the policy lets it leave, and only once
+            if stage == "masked_input" and p.epsilon is None:
+                p.epsilon = p.charge()
+            return p.epsilon
+
+        self.send_stage(task.task_id, task.round, stage, answer, charge, tensors)
         log.info("round %d: secure aggregation %s sent (%d bytes)", task.round, stage, len(answer))
         if stage == "unmask":
             self.pending.pop(task.task_id, None)

@@ -58,13 +58,13 @@ class InProcessSilos:
         session's first stage; the later stages are answered when the hub's stage driver hands them out
         (answer_stage). No clear metrics leave, as over the wire."""
 
-        def send_result(_task, tensors, _metrics, skipped, _epsilon=None) -> int:
+        def send_result(_task, tensors, _metrics, skipped, _charge=None) -> int:
             HubPrivacy.check_clear_upload(task.privacy, tensors)
             with loop.cond:
                 loop.accept_result(name, task, dict(tensors), {}, skipped)
             return 0
 
-        def send_stage(_task_id, _round, stage, payload, _epsilon=None, _tensors=None) -> None:
+        def send_stage(_task_id, _round, stage, payload, _charge=None, _tensors=None) -> None:
             with loop.cond:
                 loop.accept_stage(name, task, stage, payload, len(payload))
 

@@ -70,13 +70,17 @@ class Silo(threading.Thread):
         header = {"run_id": self.hub.run_id, "total_bytes": len(payload), "sha256": sha256_hex(payload), **header}
         self.hub.upload(self.silo_id, header, iter_chunks(payload, 4096))
 
-    def send_result(self, task, tensors, metrics, skipped, epsilon=None):
+    def send_result(self, task, tensors, metrics, skipped, charge=None):
+        if charge is not None:  # as the Outbox does, once the policy allows the upload
+            charge()
         self.sent.append("upload")
         self.send({"task_id": task.task_id, "round": task.round, "skipped": skipped, "metrics": metrics},
                   encode(tensors) if tensors else b"")
         return 0
 
-    def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
+        if charge is not None:
+            charge()
         self.sent.append(stage)
         self.send({"task_id": task_id, "round": round_, "secagg_stage": stage}, payload)
 
@@ -168,7 +172,7 @@ class OversizedMaskedInput(Silo):
     chunks_read = 0
     extra = 1
 
-    def send_stage(self, task_id, round_, stage, payload, epsilon=None, tensors=None):
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
         if stage != "masked_input":
             return super().send_stage(task_id, round_, stage, payload)
         limit = HubPrivacy.stage_bytes(self.hub.rounds.task.privacy, stage)
