@@ -78,7 +78,8 @@ def describe_rpc_error(err: grpc.RpcError, hub: str) -> str:
 def upload_refused(err: grpc.RpcError) -> bool:
     """Whether a failed upload was received and refused by the hub (its content, its size, the round's privacy),
     so that sending the same bytes again would be refused again; False when it may simply not have arrived (the
-    hub away, a deadline, a cancel) or the hub only asked this silo to slow down (a rate refusal's retry-after)."""
+    hub away, a deadline, a cancel) or the hub only asked this silo to wait (a limit refusal's retry-after: calls
+    too fast, or too many open, as when its previous upload is still held there)."""
     code = err.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return retry_after_s(err) is None

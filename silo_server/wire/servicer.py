@@ -102,6 +102,8 @@ CALL_RATES = {"Join": Rate(1.0, 10.0), "NextTask": Rate(5.0, 20.0), "Download": 
 # other silos. At most TARPIT_PER_SILO refusals of one silo pause at once; beyond that they are answered at once,
 # so a silo cannot hold the hub's memory with paused calls.
 TARPIT_MAX_S, TARPIT_PER_SILO = 1.0, 8
+# The retry-after of a call refused because the silo has as many open as allowed: when one of them ends is unknown.
+OPEN_CALL_RETRY_S = 1.0
 
 
 class CallLimits:
@@ -213,8 +215,12 @@ class _Slot:
                     await asyncio.sleep(refused.pause_s)
                 finally:
                     s.limits.paused(peer.silo_id)
+            # Every limit refusal says when to try again, so that a silo tells "not now" from "received and
+            # refused" (silo_client/hub_link.py upload_refused): an upload refused because the silo's previous one
+            # is still open on the hub is sent again, not dropped.
+            wait_s = refused.retry_after_s if refused.reason == "call_rate" else OPEN_CALL_RETRY_S
+            self.context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(wait_s * 1000))),))
             if refused.reason == "call_rate":
-                self.context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(refused.retry_after_s * 1000))),))
                 await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                          f"silo {peer.silo_id} calls faster than allowed ({refused.text}); retry in "
                                          f"{refused.retry_after_s:.2f} s")

@@ -21,9 +21,16 @@ from security import pki, tls
 from security.crl import RevocationList
 from security.gate import PeerGate
 from silo.v1 import silo_pb2, silo_pb2_grpc
+from silo_client.hub_link import retry_after_s, upload_refused
 from silo_core.tensors import encode, sha256_hex
 from silo_server.hub import Hub
-from silo_server.wire.servicer import CallLimits, FederationServer, FederationServicer, Rate
+from silo_server.wire.servicer import (
+    OPEN_CALL_RETRY_S,
+    CallLimits,
+    FederationServer,
+    FederationServicer,
+    Rate,
+)
 from tests.conftest import wait_for
 from tests.silo_server.test_hub import make_hub
 
@@ -104,6 +111,9 @@ def test_one_silo_flooding_long_polls_gets_one_and_everyone_else_is_still_served
     assert len(refused) == 199
     assert {_code(x) for x in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert "too many calls open from silo attacker" in refused[0].exception().details()
+    # ... saying when to try again, so a silo never takes it for "received and refused" (a dropped upload)
+    assert {retry_after_s(x.exception()) for x in refused} == {OPEN_CALL_RETRY_S}
+    assert not upload_refused(refused[0].exception())
     # the other silo and the health service are served as if nothing happened
     honest = _poll(f.stubs["honest"], f.hub, timeout=5)
     assert honest.result().kind == silo_pb2.Task.WAIT
@@ -218,7 +228,6 @@ def test_a_token_bucket_per_silo_and_call_refuses_past_its_rate_and_says_when_to
 
 
 def test_a_flood_of_calls_is_refused_at_its_rate_paused_logged_once_and_counted_per_silo(federation, caplog):
-    from silo_client.hub_link import retry_after_s
 
     f = federation
     f.servicer.limits.rates = {**f.servicer.limits.rates, "Join": Rate(1.0, 5.0)}
