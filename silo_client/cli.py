@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="silo-client", description="Join a silokit federation with local images.")
     p.add_argument("--data", type=Path, help="folder of unlabeled images (searched recursively)")
     p.add_argument("--labeled", type=Path, metavar="DIR",
-                   help="optional folder of labeled images, one sub-folder per class in the hub's class order "
+                   help="optional folder of labeled images, one sub-folder per class named as the hub's classes "
                         "(HASSLE trains on them; a fully labeled site may omit --data)")
     p.add_argument("--hub", default="localhost:50051", help="HOST:PORT of the hub (default localhost:50051)")
     p.add_argument("--certs", type=Path, help="bundle from `silo-certs issue-silo`: ca.pem cert.pem key.pem (required)")

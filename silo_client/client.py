@@ -56,6 +56,7 @@ from silo_client.run_checks import (
     check_architecture,
     check_counts_for,
     check_data_for,
+    check_labeled_classes,
     check_model_allowed,
     check_upload_fits,
     count_image_files,
@@ -349,10 +350,7 @@ class SiloClient:
                           self._how_read(images.images))
         if self.s.labeled is not None:
             folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels, **self._loading())
-            if len(folder.classes) != run.num_classes:
-                raise SiloError(f"labeled folder {self.s.labeled} has {len(folder.classes)} class folders but the run "
-                                f"has {run.num_classes} classes; give it one sub-folder per class, in the hub's order "
-                                f"(an empty folder for a class this site has no images of)")
+            check_labeled_classes(self.s.labeled, folder.classes, run)
             labeled, labels = folder.images, folder.labels
             skipped += [s for s in folder.skipped if not s[1].startswith("not inside")]
             self.log.info("loaded %d labeled images from %s%s", len(folder), self.s.labeled,

@@ -14,7 +14,7 @@ from silo.v1 import silo_pb2
 from silo_client.errors import SiloError
 from silo_core.algorithms.base import SiloAlgorithm, SiloData
 from silo_core.augment import to_float
-from silo_core.data import DataError, image_batches
+from silo_core.data import DataError, describe_classes, image_batches, same_classes
 from silo_core.data import count_image_files as count_listed_images
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.training import autocast, on_device
@@ -57,6 +57,20 @@ def count_image_files(root: Path, flag: str = "--data") -> int:
         what = "the folder of this silo's images" if flag == "--data" else "a folder of labeled images"
         raise DataError(f"{flag} folder {root} does not exist; pass {flag} with {what}")
     return count_listed_images(root)
+
+
+def check_labeled_classes(folder: Path, classes: list[str], run: silo_pb2.RunDescription) -> None:
+    """A silo's own labeled folder (--labeled) must name the run's classes in the hub's order: its labels are
+    positions in its sorted class folders, so other names (or another order, such as "Malignant" sorting before
+    "benign") would train the run on labels that mean other classes. A hub that predates run.classes: the count."""
+    if list(run.classes) and not same_classes(classes, list(run.classes)):
+        raise SiloError(f"labeled folder {folder} has classes {describe_classes(classes)} but the run has "
+                        f"{describe_classes(list(run.classes))}; name one sub-folder per class exactly as the hub does "
+                        f"(an empty folder for a class this site has no images of)")
+    if len(classes) != run.num_classes:
+        raise SiloError(f"labeled folder {folder} has {len(classes)} class folders but the run has {run.num_classes} "
+                        f"classes; give it one sub-folder per class, in the hub's order (an empty folder for a class "
+                        f"this site has no images of)")
 
 
 def check_data_for(algorithm: str, silo: type[SiloAlgorithm], data: SiloData) -> None:

@@ -35,6 +35,7 @@ from silo_core.data import (
     DEFAULT_CACHE_MB,
     DEFAULT_LOADER_WORKERS,
     ImageSet,
+    describe_classes,
     load_demo,
     load_labeled_folder,
     load_torchvision,
@@ -195,6 +196,7 @@ class HubApp:
             "model_factory": self.spec.factory or "",
             "architecture": architecture(self.spec.build()),
             "num_classes": self.spec.num_classes,
+            "classes": list(self.labeled.classes),
             "in_channels": self.spec.in_channels,
             "image_size": self.spec.image_size,
             "mean": self.spec.mean,
@@ -520,11 +522,6 @@ class HubApp:
             "weights_file": path.name,
             "weights_sha256": sha256_hex(path.read_bytes()),
         }
-
-
-def describe_classes(classes: list[str]) -> str:
-    shown = ", ".join(classes[:12]) + (f", ... ({len(classes)} in all)" if len(classes) > 12 else "")
-    return f"[{shown}]"
 
 
 def describe(config: HubConfig) -> str:

@@ -30,7 +30,7 @@ class JoinRequest(_message.Message):
     def __init__(self, client_version: _Optional[str] = ..., num_unlabeled: _Optional[int] = ..., num_labeled: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., skipped_images: _Optional[int] = ..., preparing: bool = ..., protocol_version: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunDescription(_message.Message):
-    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture", "protocol_version", "terms")
+    __slots__ = ("run_id", "algorithm", "model", "num_classes", "in_channels", "image_size", "total_rounds", "algorithm_options_json", "normalize_mean", "normalize_std", "model_options_json", "max_upload_bytes", "chunk_bytes", "model_factory", "architecture", "protocol_version", "terms", "classes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class RunDescription(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TERMS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     algorithm: str
     model: str
@@ -65,7 +66,8 @@ class RunDescription(_message.Message):
     architecture: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     protocol_version: int
     terms: PrivacyTerms
-    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_factory: _Optional[str] = ..., architecture: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., terms: _Optional[_Union[PrivacyTerms, _Mapping]] = ...) -> None: ...
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., algorithm: _Optional[str] = ..., model: _Optional[str] = ..., num_classes: _Optional[int] = ..., in_channels: _Optional[int] = ..., image_size: _Optional[int] = ..., total_rounds: _Optional[int] = ..., algorithm_options_json: _Optional[str] = ..., normalize_mean: _Optional[_Iterable[float]] = ..., normalize_std: _Optional[_Iterable[float]] = ..., model_options_json: _Optional[str] = ..., max_upload_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., model_factory: _Optional[str] = ..., architecture: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol_version: _Optional[int] = ..., terms: _Optional[_Union[PrivacyTerms, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrivacyTerms(_message.Message):
     __slots__ = ("secure_aggregation", "client_dp", "sample_dp", "clear_metrics")

@@ -22,6 +22,21 @@ def class_folder_name(index: int, name: str, num_classes: int) -> str:
     return f"{index:0{len(str(max(num_classes - 1, 0)))}d}_{safe}"
 
 
+def describe_classes(classes: list[str]) -> str:
+    """Class names for an error message: the first 12, then how many in all."""
+    shown = ", ".join(classes[:12]) + (f", ... ({len(classes)} in all)" if len(classes) > 12 else "")
+    return f"[{shown}]"
+
+
+def same_classes(folders: list[str], classes: list[str]) -> bool:
+    """Whether class folders (sorted, as loaded) name `classes` in order: each folder the name itself or its
+    written form (``class_folder_name``: ``03_Dress``), so a folder written by silokit matches its names too."""
+    if len(folders) != len(classes):
+        return False
+    return all(f in (name, class_folder_name(i, name, len(classes)))
+               for i, (f, name) in enumerate(zip(folders, classes, strict=True)))
+
+
 def save_png_folder(images: ImageSet, root: str | os.PathLike[str], labeled: bool) -> list[Path]:
     """Write ``images`` as PNG files: labeled -> ``root/<NN_class>/<i>.png``, unlabeled -> ``root/<i>.png``.
 

@@ -68,6 +68,7 @@ def run_description_message(desc: dict) -> silo_pb2.RunDescription:
                       for t in desc.get("architecture", [])],
         protocol_version=desc.get("protocol_version", 0),
         terms=desc.get("terms"),
+        classes=desc.get("classes", []),
     )
 
 

@@ -9,6 +9,7 @@ from silo_client.client import SiloClient, SiloSettings
 from silo_client.errors import SiloError
 from silo_client.run_checks import rehearse
 from silo_core.algorithms.base import SiloData
+from silo_core.data import FASHION_MNIST_CLASSES, class_folder_name
 from silo_core.models import ModelSpec
 from silo_server.app import HubApp
 from tests.silo_client.test_cli_errors import write_images
@@ -129,4 +130,29 @@ def test_a_silo_that_loads_when_sampled_still_fails_at_join_when_its_files_canno
         assert joins == [(False, 0, 0)] and client.data is None  # told from the file counts, nothing decoded
     finally:
         client.close()
+        app.stop(0)
+
+
+def test_a_silos_labeled_folders_must_name_the_hubs_classes_not_just_as_many(tmp_path):
+    # Labels are positions in each side's sorted class folders: ten folders named otherwise (or sorting otherwise)
+    # would train the run on labels that mean other classes. The hub now states its class names in the run.
+    app, port, _ = _hub_recording_joins(tmp_path)
+    write_images(tmp_path / "images")
+    for i, name in enumerate(FASHION_MNIST_CLASSES):
+        write_images(tmp_path / "as-written" / class_folder_name(i, name, 10), n=1)  # silokit's own folder names
+        write_images(tmp_path / "renamed" / f"c{9 - i}", n=1)  # ten classes, other names
+    clients = {}
+    try:
+        for folder in ("renamed", "as-written"):
+            clients[folder] = SiloClient(SiloSettings(
+                hub=f"127.0.0.1:{port}", certs=None, data=tmp_path / "images", labeled=tmp_path / folder,
+                device="cpu", state_dir=tmp_path / f"state-{folder}", insecure_dev_silo_id="dev-1"))
+        with pytest.raises(SiloError, match=r"has classes \[c0, c1, .*\] but the run has \[T-shirt/top, Trouser"):
+            clients["renamed"]._join()
+        assert list(clients["renamed"].run.classes) == FASHION_MNIST_CLASSES
+        clients["as-written"]._join()
+        assert clients["as-written"].data.num_labeled == 10
+    finally:
+        for client in clients.values():
+            client.close()
         app.stop(0)
