@@ -153,9 +153,8 @@ def write_images(images: ImageSet, folder: Path, labeled: bool) -> None:
     # Strings, not Paths: staging 1,000 silos links 60,000 files, and Path objects were most of its time.
     if labeled:
         # Every class gets its folder, empty where this shard has none of it: a labeled folder's classes are its
-        # sub-folders, and a silo refuses one whose count differs from the run's.
-        class_dirs = {y: str(folder / class_folder_name(y, name, len(images.classes)))
-                      for y, name in enumerate(images.classes)}
+        # sub-folders, and a silo refuses one whose names differ from the run's.
+        class_dirs = {y: str(folder / name) for y, name in enumerate(staged_class_names(images.classes))}
         targets = [class_dirs[y] for y in images.labels.tolist()]
         for d in class_dirs.values():
             os.makedirs(d, exist_ok=True)
@@ -169,6 +168,15 @@ def write_images(images: ImageSet, folder: Path, labeled: bool) -> None:
             os.link(path, link)
         except OSError:  # another file system (or links not allowed): a copy
             shutil.copyfile(path, link)
+
+
+def staged_class_names(classes: list[str]) -> list[str]:
+    """The class folders' names: the classes' own where each is a plain folder name and they sort in label order
+    (a folder source's class folders), so the hub's model card names the user's classes and silo-predict takes the
+    user's own folders; else silokit's written form for all (class_folder_name: "0_T-shirt_top")."""
+    plain = all(c and c == os.path.basename(c) and not c.startswith(".") for c in classes)
+    return list(classes) if plain and classes == sorted(classes) else [
+        class_folder_name(k, c, len(classes)) for k, c in enumerate(classes)]
 
 
 def silo_name(i: int) -> str:

@@ -45,8 +45,10 @@ def test_a_folder_source_is_split_and_linked_with_the_model_input_taken_from_its
     # Every staged file is one of the originals (a hard link on one file system), each used once.
     staged_inodes = [p.stat().st_ino for p in test + labeled + sum(silo_files, [])]
     assert sorted(staged_inodes) == sorted(by_inode) and all(p.suffix == ".jpg" for p in test)
-    # A labeled copy sits in its own class's folder; a silo's labels.json tells each file's true class.
-    assert all(by_inode[p.stat().st_ino] == p.parent.name.split("_", 1)[1] for p in test + labeled)
+    # A labeled copy sits in its own class's folder, named as the source's; a silo's labels.json tells each file's
+    # true class.
+    assert all(by_inode[p.stat().st_ino] == p.parent.name for p in test + labeled)
+    assert load_labeled_folder(staged.root / "hub" / "labeled", 32, 3).classes == ["class0", "class1", "class2"]
     for silo, files in zip(staged.silos, silo_files, strict=True):
         truth = json.loads(silo.labels.read_text())
         assert [f"class{k}" for k in truth] == [by_inode[p.stat().st_ino] for p in files]
