@@ -72,7 +72,7 @@ def labeled_files(root: Path, classes: list[str]) -> tuple[list[tuple[Path, int]
                         f"class folder as the model card's class, or as silokit writes them ({written})")
     files = [(path, index[d.name]) for d in folders for path in list_image_files(d)]
     loose = [(f, "not inside a class sub-folder; ignored") for f in sorted(root.iterdir())
-             if f.is_file() and f.name.lower().endswith(IMAGE_EXTENSIONS)]
+             if f.is_file() and not f.name.startswith(".") and f.name.lower().endswith(IMAGE_EXTENSIONS)]
     return files, loose
 
 
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"... and {len(skipped) - SHOW_SKIPPED} more skipped files", file=sys.stderr)
     if done == 0:
         tmp.unlink()
-        return error(f"none of the {len(files)} image files under {root} could be read (e.g. {skipped[0][1]})")
+        path, reason = (unreadable or skipped)[0]  # the reason the files could not be read, not a loose file's
+        return error(f"none of the {len(files)} image files under {root} could be read (e.g. {path}: {reason})")
     os.replace(tmp, args.out)
 
     if labeled:

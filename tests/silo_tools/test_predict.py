@@ -206,6 +206,16 @@ def test_errors_are_one_line_naming_the_fault(tmp_path, capsys):
     (tmp_path / "labeled" / "z_zebra").mkdir(parents=True)
     assert "not one of the model's classes" in one_line_error(
         run("--model", state, "--labeled", tmp_path / "labeled", "--out", tmp_path / "q.csv"))
+    # When no image can be read, the error names an unreadable file and why, not a loose image or a hidden file.
+    unreadable = tmp_path / "unreadable"
+    (unreadable / CLASSES[0]).mkdir(parents=True)
+    (unreadable / CLASSES[0] / "broken.png").write_bytes(b"not a png")
+    write_images(unreadable, 1)
+    (unreadable / "._0.png").write_bytes(b"macOS metadata")
+    result = run("--model", state, "--labeled", unreadable, "--out", tmp_path / "r.csv")
+    [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.returncode == 2 and "broken.png" in line and "not inside a class sub-folder" not in line
+    assert [p.name for p, _ in labeled_files(unreadable, CLASSES)[1]] == ["000.png"]  # the hidden file is no image
 
 
 def test_class_folders_may_be_named_as_silokit_writes_them_when_a_class_name_holds_a_slash(tmp_path):
