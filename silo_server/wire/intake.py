@@ -217,6 +217,9 @@ class TaskIntake:
                                            "the round closed during the upload")
             if silo_id in t.reported:
                 raise self.registry.refuse(silo_id, "ALREADY_EXISTS", "duplicate", "duplicate upload")
+            if silo_id in t.gone:  # counted out while it streamed (its certificate revoked, say): not in the sums
+                raise self.registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",
+                                           "this silo was counted out of the round during the upload")
             self.rounds.accept_result(silo_id, t, tensors, metrics, skipped, total, stored)
 
     def _secagg_upload(self, silo_id: str, header: dict[str, Any], chunks: Iterable[tuple[int, bytes]]) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from security.secagg import SecAggParams
 from silo_core.algorithms.base import RoundPlan, SiloResult
-from silo_core.tensors import TensorSpec, iter_chunks
+from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.hub import Refusal
 from silo_server.rounds.aggregate import RunningSum
 from silo_server.rounds.privacy import PrivacySection
@@ -215,6 +215,38 @@ def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
     assert (record.silos_sampled, record.silos_reported, record.attempt) == (3, 2, 1)
     assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))
     assert "c" not in hub.registry.live_silos()
+
+
+def test_an_upload_streaming_when_its_silo_is_revoked_does_not_reach_the_model(tmp_path):
+    # The gate checks a certificate when a call opens; an upload already streaming when the CRL lists its silo must
+    # not land in the sums after the round loop counted the silo out (it once did, listed as left out).
+    hub = make_hub(tmp_path, min_silos=3, quorum=0.5, deadline_s=600)
+    revoked: set[int] = set()
+    hub.registry.is_revoked = revoked.__contains__
+    for i, s in enumerate(("a", "b", "c")):
+        hub.join(s, 10, 0, "cpu", serial=i + 1)
+    thread, out = start_round(hub)
+    tasks = {s: wait_task(hub, s) for s in ("a", "b", "c")}
+    upload(hub, "a", tasks["a"], {"delta/x": torch.full((3,), 1.0), "weight": torch.ones(1)})  # 1 of the 2 needed
+    payload = encode({"delta/x": torch.full((3,), 100.0), "weight": torch.ones(1)})
+    counted_out = threading.Event()
+
+    def slow_chunks():
+        yield 0, payload[:16]
+        revoked.add(3)  # c's certificate is revoked while its upload streams; the round loop counts it out
+        _wait(lambda: "c" in hub.rounds.task.gone)
+        counted_out.set()
+        yield 16, payload[16:]
+
+    header = {"run_id": hub.run_id, "task_id": tasks["c"].task_id, "round": tasks["c"].round,
+              "total_bytes": len(payload), "sha256": sha256_hex(payload), "skipped": False, "metrics": {"n": 1.0}}
+    assert _refused(lambda: hub.upload("c", header, slow_chunks())).reason == "stale_task"
+    assert counted_out.is_set()
+    upload(hub, "b", tasks["b"], {"delta/x": torch.full((3,), 3.0), "weight": torch.ones(1)})
+    thread.join(30)
+    record = hub.records.history[-1]
+    assert (record.silos_sampled, record.silos_reported) == (3, 2)
+    assert torch.allclose(out["state"].tensors["model/x"], torch.full((3,), 2.0))  # a and b only
 
 
 class AbortingSilo(Silo):
