@@ -23,7 +23,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     import torch
 
     from silo_core.algorithms.base import HubData
-    from silo_core.algorithms.server_only import ServerOnlyHub, ServerOnlyOptions
+    from silo_core.algorithms.server_only import ServerOnlyHub
     from silo_core.data import load_labeled_folder
     from silo_core.models import ModelSpec
     from silo_core.training import evaluate, resolve_device
@@ -37,8 +37,10 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     labeled = load_labeled_folder(config.data.labeled.path, size, channels)
     test = load_labeled_folder(config.data.test.path, size, channels)
     spec = ModelSpec.from_config(config.model, len(labeled.classes))
-    # The hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...); the rest do not apply.
-    opts = ServerOnlyOptions.model_validate({k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields})
+    opts, left_out = baseline_options(options)
+    if left_out:
+        console.print(f"server-only baseline: {', '.join(left_out)} of the run's options cannot apply to it; "
+                      f"its default used ({', '.join(f'{k}={getattr(opts, k)}' for k in left_out)})")
     dev = resolve_device(device)
     algo = ServerOnlyHub(opts, spec, HubData(labeled.images, labeled.labels), dev, seed, rounds)
     state = algo.init_state()
@@ -48,6 +50,22 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     result = evaluate(algo.served_model(state), test.images, test.labels, spec.mean, spec.std, dev)
     return {"algorithm": "server-only", "test_accuracy": result["accuracy"], "test_loss": result["loss"],
             "seconds": time.time() - started}
+
+
+def baseline_options(options: dict[str, Any]):
+    """ServerOnlyOptions from the hub-side knobs the run's algorithm shares with server-only (epochs, lr, ...),
+    and the shared names whose value server-only cannot take (FedSEAL's lr_schedule exponential, say): those keep
+    server-only's default, so a run that trained every round still gets its baseline and summary."""
+    from pydantic import ValidationError
+
+    from silo_core.algorithms.server_only import ServerOnlyOptions
+
+    shared = {k: v for k, v in options.items() if k in ServerOnlyOptions.model_fields}
+    try:
+        return ServerOnlyOptions.model_validate(shared), []
+    except ValidationError as err:
+        left_out = sorted({str(e["loc"][0]) for e in err.errors() if e["loc"]})
+        return ServerOnlyOptions.model_validate({k: v for k, v in shared.items() if k not in left_out}), left_out
 
 
 def summary_table(history: list[RoundRecord], baseline: dict[str, Any] | None, algorithm: str,

@@ -4,6 +4,7 @@ import pytest
 
 from silo_core.rounds import DPRound, RoundRecord, Scores
 from silo_sim.cli import apply_hub_settings
+from silo_sim.report import baseline_options
 
 
 def test_dotted_keys_set_yaml_values_in_nested_sections():
@@ -114,3 +115,11 @@ def test_the_summary_counts_the_silos_handed_the_model_outside_the_sample():
     console = Console(width=160, record=True)
     console.print(summary_table([RoundRecord(round=1, scores=Scores(test_accuracy=0.5))], None, "fedseal"))
     assert "received" not in console.export_text()
+
+
+def test_the_baseline_keeps_the_shared_options_server_only_can_take_and_names_the_rest():
+    # FedSEAL's exponential schedule is no server-only schedule: once the baseline failed on it after every round
+    # had trained, and the run ended without its summary.
+    opts, left_out = baseline_options({"lr_schedule": "exponential", "hub_epochs": 2, "lr": 0.01, "tau": 0.9})
+    assert (opts.hub_epochs, opts.lr, opts.lr_schedule, left_out) == (2, 0.01, "cosine", ["lr_schedule"])
+    assert baseline_options({"hub_epochs": 3})[1] == []
