@@ -179,8 +179,9 @@ class HubPrivacy:
 
     # ------------------------------------------------------------------ before the round
     def begin(self, task_id: str, expected: dict[str, TensorSpec], sampled: set[str], enrolled: int,
-              need: int) -> RoundPrivacy:
-        """DP instructions after the budget check (raises BudgetExhausted), and the round's SecAgg+ session."""
+              need: int, weight_cap: float = 1.0) -> RoundPrivacy:
+        """DP instructions after the budget check (raises BudgetExhausted), and the round's SecAgg+ session.
+        `weight_cap`: the largest weight a sampled silo may send (1 under uniform averaging)."""
         instructions = None
         accepted = dict(expected)
         if self.secagg is not None:
@@ -192,7 +193,7 @@ class HubPrivacy:
                 accepted[UNCLIPPED] = TensorSpec((1,), "float32")
         session = None
         if self.secagg is not None:
-            params = self._round_params(instructions, accepted)
+            params = self._round_params(instructions, accepted, weight_cap)
             shapes = {n: tuple(s.shape) for n, s in accepted.items()}
             try:
                 session = HubSession(task_id, sorted(sampled), params, shapes, min_survivors=need,
@@ -203,24 +204,33 @@ class HubPrivacy:
                                    "or the bits budget") from None
         return RoundPrivacy(instructions, session, accepted, len(sampled), enrolled, min_contributors=need)
 
-    def _round_params(self, instructions: SiloInstructions | None, accepted: dict[str, TensorSpec]) -> SecAggParams:
+    def _round_params(self, instructions: SiloInstructions | None, accepted: dict[str, TensorSpec],
+                      weight_cap: float = 1.0) -> SecAggParams:
         """With distributed DP the fixed-point range follows the round's clip norm and noise: every clipped value
-        and all but ~2e-9 of the noise fit, at the bit width configured for those tensors."""
+        and all but ~2e-9 of the noise fit, at the bit width configured for those tensors. Under weighted averaging
+        a silo sends its weight (up to `weight_cap`) and its update times that weight: their ranges grow with the
+        cap, so the weights are not clipped to the configured range and the update keeps its relative precision."""
         params = self.secagg
-        if instructions is None:
-            return params
         rules = params.rules()
         extra = []
-        for prefix in instructions.clip_tensors:
+        for prefix in instructions.clip_tensors if instructions is not None else ():
             names = [n for n in accepted if n.startswith(prefix)]
             if names:
                 bits = rule_for(rules, names[0]).bits
                 clip = quantization_clip(instructions.clip_norm, instructions.noise_std)
                 extra.append(QuantizationRule(pattern=prefix + "*", clip=clip, bits=bits))
-        if instructions.adaptive:
+        if instructions is not None and instructions.adaptive:
             bits = rule_for(rules, UNCLIPPED).bits if _covered(rules, UNCLIPPED) else 20
             extra.append(QuantizationRule(pattern=UNCLIPPED, clip=quantization_clip(0.5,
                                           instructions.indicator_noise_std), bits=bits))
+        if weight_cap > 1:  # after the DP rules: a clipped update is bounded by its clip norm, whatever its weight
+            weights = sorted(n for n in accepted if n.rsplit("/", 1)[-1] == "weight")
+            extra += [QuantizationRule(pattern=n, clip=max(rule_for(rules, n).clip, weight_cap),
+                                       bits=rule_for(rules, n).bits) for n in weights]
+            extra += [QuantizationRule(pattern=r.pattern, clip=r.clip * weight_cap, bits=r.bits)
+                      for r in params.quantization]
+        if not extra:
+            return params
         return params.model_copy(update={"quantization": extra + list(params.quantization)})
 
     def check_budget(self) -> None:

@@ -392,7 +392,8 @@ class RoundLoop:
                 # The sampling rate the accountant charges: the chance of a live silo (the only ones that can be
                 # drawn) to be in the round; a breaker hunt's cohorts are not drawn at random, so it charges q = 1.
                 population = len(sampled) if self.hunt.active else len(live)
-                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need)
+                weight_cap = 1.0 if plan.unit_weight else max(task.weight_caps.values(), default=1.0)
+                task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need, weight_cap)
                 task.accepted = task.privacy.accepted
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d%s", r, attempt, len(sampled), len(live), need,
                      "; the others receive the model without training" if broadcast is not None else "")

@@ -54,17 +54,18 @@ class Silo(threading.Thread):
 
     started: list["Silo"] = []
 
-    def __init__(self, hub: Hub, silo_id: str, value: float, die_at: str | None = None):
+    def __init__(self, hub: Hub, silo_id: str, value: float, die_at: str | None = None, weight: int = 1):
         super().__init__(daemon=True)
         self.finished = threading.Event()
         Silo.started.append(self)
         self.hub, self.silo_id, self.value, self.die_at = hub, silo_id, value, die_at
+        self.weight = weight  # FedAvg's n_k: it sends weight * value and its weight, declaring max(10, weight) images
         self.privacy = SiloPrivacy(send_result=self.send_result, send_stage=self.send_stage)
         self.refused: list[str] = []
         self.sent: list[str] = []  # "charge" (the ledger's entry written) and each message kind, in order
         self.hold_at: str | None = None  # wait for `release` before answering this stage (a frozen silo)
         self.release = threading.Event()
-        hub.join(silo_id, 10, 0, "cpu")
+        hub.join(silo_id, max(10, weight), 0, "cpu")
 
     def send(self, header, payload):
         header = {"run_id": self.hub.run_id, "total_bytes": len(payload), "sha256": sha256_hex(payload), **header}
@@ -96,7 +97,8 @@ class Silo(threading.Thread):
                 if view.kind == "DONE":
                     return
                 if view.kind == "TRAIN":
-                    result = SiloResult({"delta/x": torch.full((D,), self.value), "weight": torch.ones(1)})
+                    result = SiloResult({"delta/x": torch.full((D,), self.value * self.weight),
+                                         "weight": torch.full((1,), float(self.weight))})
                     self.privacy.submit(self.silo_id, self.hub.run_id, task, result, view.expected,
                                         charge=lambda: self.sent.append("charge"))
                 elif view.kind == "SECAGG":
@@ -150,7 +152,9 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
     assert all(0 <= seconds < 30 for seconds in secagg.stage_seconds.values())
     mean = (1 + 2 + 3 + 5) / 4
     error = (state.tensors["model/x"] - mean).abs().max()
-    level = 16 / (2**20 - 1)  # one fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels
+    # One fixed-point level: each of the 4 sums (values and weights) is off by < 4 levels. Under weighted averaging
+    # the round's range is the configured one (8) times the most weight a silo may send (10, the images it declares).
+    level = 16 * 10 / (2**20 - 1)
     assert float(error) < (4 * level + mean * 4 * level) / (4 - 4 * level) + 1e-6
     assert hub.records.history[-1].silos_reported == 5 and all(not s.refused for s in silos)
     # s3 trained and advertised its keys, but the sum does not hold its input: neither the record nor the card
@@ -184,6 +188,24 @@ class OversizedMaskedInput(Silo):
         header = {"run_id": self.hub.run_id, "task_id": task_id, "round": round_, "secagg_stage": stage,
                   "total_bytes": limit + self.extra, "sha256": sha256_hex(payload)}
         self.hub.upload(self.silo_id, header, chunks())
+
+
+def test_a_weighted_secure_round_sums_each_silos_images_times_its_update_unclipped(tmp_path):
+    # FedAvg's (and HASSLE's) weights: a silo sends n_k * delta and n_k. The configured ranges (the defaults: weight
+    # up to 1024, every other tensor within [-1, 1]) once clipped n_k * delta to 1, and the model moved by about
+    # 1 / mean(n_k) of the true mean; the round's ranges now grow with the largest weight a sampled silo may send.
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SecAggParams(enabled=True, threshold=0.5,
+                                                                        stage_deadline_s=1.0)))
+    weights, values = [100, 200, 300, 400, 500], [0.5, -0.25, 0.1, 0.2, -0.1]
+    silos = [Silo(hub, f"s{i}", v, weight=w) for i, (w, v) in enumerate(zip(weights, values, strict=True))]
+    for s in silos:
+        s.start()
+    state = hub.run()
+    for s in silos:
+        s.join(5)
+    mean = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+    assert hub.records.history[-1].secagg.contributors == 5 and all(not s.refused for s in silos)
+    assert torch.allclose(state.tensors["model/x"], torch.full((D,), mean), atol=1e-3)
 
 
 def test_secure_aggregation_messages_wait_for_the_upload_budget_and_cannot_overstate_their_size(tmp_path):
