@@ -304,6 +304,11 @@ class HubConfig(StrictConfig):
         if self.model.options.get("norm", "batch") != "group":
             raise ValueError("privacy.sample_dp needs model.options.norm: group (batch norm mixes the images of a "
                              "batch, so one image's gradient cannot be clipped on its own)")
+        rule = self.algorithm.options.get("threshold_rule", "fixed")
+        if rule != "fixed":
+            raise ValueError(f"privacy.sample_dp needs algorithm.options.threshold_rule: fixed (not {rule}): per-class "
+                             "thresholds learnt from all of a silo's images let one image move many others in or out "
+                             "of the pseudo-labeled set, which DP-SGD's per-image accounting does not cover")
         if self.algorithm.options.get("local_steps") is not None:
             raise ValueError("privacy.sample_dp counts local work in epochs (its accountant schedules whole passes): "
                              "remove algorithm.options.local_steps and set local_epochs")

@@ -144,6 +144,9 @@ BASE = {"data": {"labeled": {"kind": "demo"}}}
     ({**BASE, "model": {"options": {"norm": "group"}}, "algorithm": {"name": "fedseal"},
       "privacy": {"sample_dp": {"enabled": True}}}, "not available for algorithm 'fedseal'"),
     ({**BASE, "model": {"options": {"norm": "batchy"}}}, "options.norm"),
+    # FlexMatch/FreeMatch thresholds depend on every image of the silo: one image would change many others' labels.
+    ({**BASE, "model": {"options": {"norm": "group"}}, "algorithm": {"options": {"threshold_rule": "flexmatch"}},
+      "privacy": {"sample_dp": {"enabled": True}}}, "threshold_rule: fixed"),
     ({**BASE, "model": {"options": {"norm": "group"}}, "privacy": {"sample_dp": {"enabled": True, "sigma": 1}}},
      "privacy.sample_dp.sigma"),
 ])
