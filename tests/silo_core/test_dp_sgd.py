@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from security.dp import PrivacyAccountant
 from silo_core.algorithms.base import HubData, SiloData
@@ -89,7 +90,7 @@ def test_noise_has_the_configured_scale():
 
 def test_ledger_matches_opacus_persists_and_refuses_damage(tmp_path):
     q, steps = dp_schedule(1000, 32, 2)
-    assert q == 0.032 and steps == 2 * 32
+    assert q == 1 / 32 and steps == 2 * 32  # 32 Poisson draws a pass, each image in one of them on average
     path = tmp_path / "ledger.json"
     ledger = SampleDPLedger(1e-5, path)
     first = ledger.charge(1.1, q, steps)
@@ -161,3 +162,12 @@ def test_sample_dp_config_accepted_with_group_norm_and_semifl():
                                                      "epsilon_budget": 10}}})
     assert config.privacy.sample_dp.hyperparameters()["noise_multiplier"] == 0.8
     assert not config.privacy.enabled  # the hub's aggregation itself stays plain
+
+
+@pytest.mark.parametrize(("n", "batch"), [(150, 100), (1000, 32), (12, 4), (5, 8)])
+def test_the_ledgers_rate_and_steps_are_the_ones_opacus_samples_at(n, batch):
+    from opacus.data_loader import DPDataLoader
+
+    loader = DPDataLoader.from_data_loader(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch))
+    q, steps = dp_schedule(n, batch, 3)
+    assert q == pytest.approx(loader.sample_rate) and steps == 3 * len(loader)
