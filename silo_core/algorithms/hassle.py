@@ -319,9 +319,11 @@ class HASSLESilo(SiloAlgorithm):
                     continue
                 x = to_float(weak_augment(to_device(x, device), flip=o.flip, generator=gen), spec.mean, spec.std)
                 y = labels[idx].to(device)
+                # The global models are fixed teachers this round, run in float32 even on a GPU: the residual learns
+                # partner + partner_res - base, a difference of near-equal logits that bfloat16 would round away.
+                with torch.no_grad():
+                    base, partner, partner_res = glob[own](x), glob[other](x), glob[other_res](x)
                 with autocast(device):
-                    with torch.no_grad():  # the global models are fixed teachers this round
-                        base, partner, partner_res = glob[own](x), glob[other](x), glob[other_res](x)
                     loss = F.cross_entropy(model(x), y) + proximity_term(model, anchor, o.gamma, o.proximity)
                 sgd_step(model, opt_model, loss, o.grad_clip)
                 with autocast(device):

@@ -187,3 +187,27 @@ def test_the_unsupervised_groups_are_weighted_by_every_unlabeled_image_even_wher
     else:
         pytest.fail("no threshold kept between 2 and 9 of the 10 images")
     assert float(result.tensors["U/weight"]) == float(result.tensors["rSU/weight"]) == 10.0
+
+
+def test_the_residuals_teachers_run_in_float32_under_bfloat16_autocast(monkeypatch):
+    # On a GPU the silo trains under bfloat16 autocast; the residual's target, partner + partner_res - base, is a
+    # difference of near-equal logits that bfloat16 (one step is 0.0625 at 8-16) rounds away, so the fixed teachers'
+    # logits must be float32. The CPU takes the same code path when autocast is forced on.
+    import silo_core.algorithms.hassle as hassle
+
+    monkeypatch.setattr(hassle, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    forwards: list[tuple[bool, torch.dtype]] = []  # (a teacher's: run without gradients, its logits' dtype)
+    built = hassle.load_model
+
+    def load_and_watch(spec, tensors, prefix="model/"):
+        model = built(spec, tensors, prefix=prefix)
+        model.register_forward_hook(lambda m, i, out: forwards.append((not torch.is_grad_enabled(), out.dtype)))
+        return model
+
+    monkeypatch.setattr(hassle, "load_model", load_and_watch)
+    hub = make_hub(hub_participates=False)
+    plan = hub.begin_round(hub.init_state())
+    data = SiloData(images=images(0, 1), labeled_images=images(6, 2), labeled_labels=torch.arange(6), silo_id="a")
+    HASSLESilo(hub.options, SPEC, CPU).local_update(plan, data)
+    assert {dtype for teacher, dtype in forwards if teacher} == {torch.float32}
+    assert {dtype for teacher, dtype in forwards if not teacher} == {torch.bfloat16}  # the students do use it
