@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from security.pki import PkiError, parse_crl
@@ -30,21 +31,21 @@ _CHECKED_KEPT = 16  # distinct (CRL, CA) pairs whose checked contents are kept p
 
 
 class _CheckedLists:
-    """What a CRL signed by a CA says (its revoked serials and next update), by the exact bytes of both files. A
+    """What a CRL signed by a CA says (its revoked serials, next and last update), by the exact bytes of both files. A
     silo-sim host's hundreds of silos each read their own copy of one CA's list; the same bytes always give the
     same answer, so its signature is checked once per process instead of once per silo."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[tuple[bytes, bytes], tuple[frozenset[int], dt.datetime | None]] = {}
+        self._kept: dict[tuple[bytes, bytes], Checked] = {}
 
-    def check(self, crl_pem: bytes, ca_pem: bytes, where: str) -> tuple[frozenset[int], dt.datetime | None]:
+    def check(self, crl_pem: bytes, ca_pem: bytes, where: str) -> Checked:
         with self._lock:
             known = self._kept.get((crl_pem, ca_pem))
         if known is not None:
             return known
         crl = parse_crl(crl_pem, ca_pem, where)  # PkiError naming `where` when it does not parse or verify
-        known = (frozenset(r.serial_number for r in crl), crl.next_update_utc)
+        known = Checked(frozenset(r.serial_number for r in crl), crl.next_update_utc, crl.last_update_utc, ca_pem)
         with self._lock:
             if len(self._kept) >= _CHECKED_KEPT:
                 self._kept.clear()
@@ -53,6 +54,29 @@ class _CheckedLists:
 
 
 _CHECKED = _CheckedLists()
+
+
+@dataclass(frozen=True)
+class Checked:
+    revoked: frozenset[int]
+    next_update: dt.datetime | None
+    last_update: dt.datetime
+    ca_pem: bytes
+
+    def rolls_back(self, enforced: Checked) -> str | None:
+        """Why this list may not replace `enforced` (None: it may). Under one CA a revocation is for good: a list
+        signed earlier, or one that leaves out a serial the enforced list holds (an old bundle's crl.pem copied
+        back), would un-revoke a certificate."""
+        if self.ca_pem != enforced.ca_pem:
+            return None  # another CA: its serials are another numbering
+        if self.last_update < enforced.last_update:
+            return (f"it was signed {self.last_update:%Y-%m-%d %H:%M} UTC, before the enforced list "
+                    f"({enforced.last_update:%Y-%m-%d %H:%M} UTC)")
+        dropped = enforced.revoked - self.revoked
+        if dropped:
+            shown = ", ".join(f"{s:x}" for s in sorted(dropped)[:3])
+            return f"it leaves out {len(dropped)} revoked certificate(s) ({shown})"
+        return None
 
 
 class CrlError(ValueError):
@@ -75,6 +99,7 @@ class RevocationList:
         self._lock = threading.Lock()
         self._seen: tuple | None = None  # file signatures of the last load attempt, good or bad
         self._revoked: frozenset[int] = frozenset()
+        self._enforced: Checked | None = None
         self.next_update: dt.datetime | None = None
         self.loaded_at = 0.0
         self.reloads = 0
@@ -100,8 +125,12 @@ class RevocationList:
         # Stat before reading (the caller did): if the file changes after the read, the next stat differs and
         # the next lookup loads it again, so a copy that was half-written when we read it is picked up later.
         self._seen = seen
-        self._revoked, self.next_update = _CHECKED.check(self.crl_path.read_bytes(), self.ca_path.read_bytes(),
-                                                         str(self.crl_path))
+        checked = _CHECKED.check(self.crl_path.read_bytes(), self.ca_path.read_bytes(), str(self.crl_path))
+        why = checked.rolls_back(self._enforced) if self._enforced is not None else None
+        if why is not None:
+            raise PkiError(f"it would lift revocations: {why}; copy the newest crl.pem from the CA directory "
+                           "(`silo-certs crl --ca CA_DIR` re-signs it)")
+        self._enforced, self._revoked, self.next_update = checked, checked.revoked, checked.next_update
         self.loaded_at = time.time()
 
     def refresh(self) -> None:

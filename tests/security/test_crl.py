@@ -61,6 +61,28 @@ def test_an_unusable_replacement_keeps_the_last_good_list(setup, tmp_path: Path,
     assert crl.is_revoked(_serial(s1)) and crl.reloads == 1
 
 
+def test_an_older_list_signed_by_the_ca_never_lifts_a_revocation(setup, tmp_path: Path, caplog) -> None:
+    # A renewed silo bundle carries the crl.pem of its issue; copied back over a newer one (or an old backup
+    # restored), a genuine CA-signed list would once have un-revoked whatever was revoked since.
+    ca, hub = setup
+    s1 = pki.issue_silo(ca, "s1", tmp_path / "s1")
+    before = (ca / "crl.pem").read_bytes()  # signed while s1 was good
+    pki.revoke(ca, "s1")
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")
+    crl = RevocationList(hub / "crl.pem", hub / "ca.pem")
+    assert crl.is_revoked(_serial(s1))
+    with caplog.at_level(logging.ERROR, logger="security"):
+        (hub / "crl.pem").write_bytes(before)
+        assert crl.is_revoked(_serial(s1))
+    assert crl.reload_failures == 1 and crl.reloads == 0
+    assert any("it would lift revocations" in r.message and "still enforcing the previous list of 1" in r.message
+               for r in caplog.records)
+    pki.issue_silo(ca, "s2", tmp_path / "s2")
+    pki.revoke(ca, "s2")  # a newer list holding both goes in as usual
+    shutil.copyfile(ca / "crl.pem", hub / "crl.pem")
+    assert crl.is_revoked(_serial(s1)) and crl.reloads == 1 and len(crl.revoked_serials) == 2
+
+
 def test_a_missing_or_foreign_crl_stops_the_hub_at_start_with_what_to_do(setup, tmp_path: Path) -> None:
     ca, hub = setup
     with pytest.raises(CrlError, match=r"nowhere\.pem.*silo-certs crl --ca CA_DIR.*security\.crl"):
