@@ -293,10 +293,12 @@ def _live_conflict(ca_dir: Path, out_dir: Path, kind: str, cn: str, live: list[I
     serials = ", ".join(e.serial for e in live)
     expires = max(dt.datetime.fromisoformat(e.not_after) for e in live)
     who = "the hub" if kind == "hub" else f"silo {cn!r}"
+    # A folder without a key: the live bundle's own (the default --out) holds one, which is never overwritten.
+    fresh = f"{out_dir}.new" if (Path(out_dir) / "key.pem").exists() else str(out_dir)
     again = (
-        f"silo-certs issue-hub --ca {ca_dir} --out {out_dir} --replace"
+        f"silo-certs issue-hub --ca {ca_dir} --out {fresh} --replace"
         if kind == "hub"
-        else f"silo-certs issue-silo {cn} --ca {ca_dir} --replace"
+        else f"silo-certs issue-silo {cn} --ca {ca_dir} --out {fresh} --replace"
     )
     return (
         f"{who} already holds a live certificate (serial {serials}, valid until {expires:%Y-%m-%d}); "
@@ -326,9 +328,11 @@ def renew(
     with store.ca_lock(ca_dir):  # one step: the previous certificates read here are the ones revoke_old revokes
         previous = [e for e in store.load_inventory(ca_dir) if e.name == name]
         if not previous:
+            issue = (f"silo-certs issue-hub --ca {ca_dir} --out HUB_DIR" if name == HUB_CN
+                     else f"silo-certs issue-silo {name} --ca {ca_dir}")
             raise PkiError(
                 f"no certificate named {name!r} in {ca_dir / INVENTORY}; issue one with "
-                f"`silo-certs issue-silo {name} --ca {ca_dir}` (see `silo-certs list --ca {ca_dir}`)"
+                f"`{issue}` (see `silo-certs list --ca {ca_dir}`)"
             )
         latest = previous[-1]
         if out_dir is None:

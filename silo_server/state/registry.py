@@ -233,7 +233,8 @@ class SiloRegistry:
                     self.burst.warn((silo_id, "second_certificate_join"), lambda n: (
                         f"a second certificate for silo {silo_id} (serial {serial:x}) tried to join while the session "
                         f"of serial {old:x} is live: refused ({n} such tries since the last line); if both are "
-                        f"yours, revoke one (`silo-certs issue-silo {silo_id} --replace` or `silo-certs revoke`)"))
+                        f"yours, revoke the one you retire (`silo-certs revoke {old:x} --ca CA_DIR` revokes the "
+                        f"live session's; `silo-certs revoke {serial:x} --ca CA_DIR` the newcomer's)"))
                     self.count("second_certificate")
                     raise self.refuse(silo_id, "ALREADY_EXISTS", "second_certificate",
                                       f"silo {silo_id} already has a live session under another certificate; "

@@ -157,6 +157,9 @@ def test_renew_hub_keeps_its_names_and_revoke_old_revokes_the_previous(ca: Path,
 def test_renew_of_an_unknown_name_says_how_to_issue(ca: Path) -> None:
     with pytest.raises(pki.PkiError, match="no certificate named 'ghost'.*issue-silo ghost"):
         pki.renew(ca, "ghost")
+    # "hub" is no silo name (issue-silo refuses it): a CA without a hub certificate is told to issue one
+    with pytest.raises(pki.PkiError, match=r"no certificate named 'hub'.*`silo-certs issue-hub --ca .* --out HUB_DIR`"):
+        pki.renew(ca, "hub")
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
@@ -212,10 +215,17 @@ def test_issuing_a_live_silo_name_again_is_refused_and_writes_nothing(ca: Path, 
     message = str(refused.value)
     assert f"silo 'silo-001' already holds a live certificate (serial {_hex(first)}," in message
     assert f"`silo-certs renew silo-001 --ca {ca}`" in message
-    assert f"`silo-certs issue-silo silo-001 --ca {ca} --replace`" in message
+    assert f"`silo-certs issue-silo silo-001 --ca {ca} --out {tmp_path / 'second'} --replace`" in message
     assert not (tmp_path / "second").exists()
     assert _snapshot(ca, tmp_path / "first") == before
     assert [e.serial for e in pki.live_certificates(ca, "silo-001")] == [_hex(first)]
+    # Asked for the live bundle's own folder, the way out names a new one: the suggested command works as given.
+    with pytest.raises(pki.PkiError) as again:
+        pki.issue_silo(ca, "silo-001", tmp_path / "first")
+    command = str(again.value).rsplit("`", 2)[-2]
+    assert command == f"silo-certs issue-silo silo-001 --ca {ca} --out {tmp_path / 'first'}.new --replace"
+    assert main(command.split()[1:]) == 0
+    assert [e.serial for e in pki.live_certificates(ca, "silo-001")] != [_hex(first)]
 
 
 def test_cli_refuses_a_live_name_with_one_line_naming_serial_and_both_ways_out(
