@@ -184,10 +184,12 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
         for w in range(workers):
             metrics_files.append(staged.root / f"worker-{w}.metrics_port")
             metrics_files[-1].unlink(missing_ok=True)
+            (staged.root / f"worker-{w}.ended.json").unlink(missing_ok=True)
             spec = {
                 "hub": hub_address, "device": args.device,
                 "threads": host_threads(cores, workers, ray_hosts.silo_cpus if ray_hosts is not None else None),
                 "metrics_port": 0, "metrics_port_file": str(metrics_files[-1]), "metrics_final_scrape_s": final_scrape_s,
+                "ended_file": str(staged.root / f"worker-{w}.ended.json"),
                 "watched": bool(getattr(args, "prometheus_targets", None)),
                 "ship_files": bool(getattr(args, "ship_silo_files", False)),
                 "load_when_sampled": not getattr(args, "load_at_join", False),
@@ -237,6 +239,10 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                         if not targets_stale:
                             write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
                                 staged, metrics_files, procs, logs))
+                elif launched.workers:
+                    stalled = silos_stopped(staged, launched.workers, logs)
+                    if stalled:
+                        raise RuntimeError(stalled)
                 time.sleep(0.5)
             progress.update(bar, completed=len(read_history(history_path)[0]))
         rc = hub.wait()
@@ -255,6 +261,29 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
         terminate(procs)
         if ray_hosts is not None:
             ray_hosts.close()
+
+
+def silos_stopped(staged, workers: list[subprocess.Popen | Forked], logs: Path) -> str | None:
+    """Why the run cannot go on, or None: the silos that stopped before its end (a policy that refused the run, a
+    crash, a worker process gone) leave fewer than the hub's rounds.min_silos, which it would wait for forever."""
+    hosts = len(workers)
+    gone: dict[str, str] = {}
+    for w, proc in enumerate(workers):
+        ended = staged.root / f"worker-{w}.ended.json"
+        if ended.is_file():
+            gone.update(json.loads(ended.read_text()))
+        if proc.poll() not in (None, 0):  # the whole host: every silo it hosted that had not ended already
+            for s in staged.silos[w::hosts]:
+                gone.setdefault(s.name, f"its host worker-{w} exited with code {proc.poll()}")
+    if not gone:
+        return None
+    need = int(hub_section(staged, "rounds").get("min_silos", 1))
+    if len(staged.silos) - len(gone) >= need:
+        return None
+    shown = "; ".join(f"{name} {why}" for name, why in sorted(gone.items())[:5])
+    return (f"{len(gone)} of {len(staged.silos)} silos stopped before the run's end ({shown}), leaving fewer than "
+            f"the {need} the hub waits for (rounds.min_silos): see {logs}/worker-*.log, or let the others go on "
+            f"with --hub-set rounds.min_silos={len(staged.silos) - len(gone)}")
 
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen | Forked], logs: Path,

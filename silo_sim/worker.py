@@ -52,6 +52,17 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
 
     results: dict[str, int] = {}
     hub_listening = threading.Event()
+    ended_early: dict[str, str] = {}  # silo -> why it stopped before the run's end (spec's ended_file, for silo-sim)
+    ended_lock = threading.Lock()
+
+    def ended(name: str, code: int, why: str) -> None:
+        results[name] = code
+        if code != 0 and spec.get("ended_file"):
+            from silo_core.files import write_json_atomic
+
+            with ended_lock:
+                ended_early[name] = why
+                write_json_atomic(Path(spec["ended_file"]), ended_early)
     threading.Thread(target=wait_for_listener, args=(spec["hub"], hub_listening, stop,
                                                      float(spec.get("connect_timeout_s", 120))),
                      name="hub-probe", daemon=True).start()
@@ -71,14 +82,15 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
             ), run_work=run_work, stop_event=stop,
                 metrics=SiloMetrics(families, name, certs=Path(entry["certs"])))
             hub_listening.wait()  # set up while the hub starts; dial it once it listens
-            results[name] = client.run_forever()
+            code = client.run_forever()
+            ended(name, code, f"exited with code {code}")
         except SiloLeft as left:  # its policy refused the run or left it: said to the hub, recorded, not a crash
             logging.getLogger("silo_sim.worker").warning("silo %s left the run by its policy (%s): %s", name,
                                                          left.refusal.clause, left)
-            results[name] = 3
+            ended(name, 3, f"left by its policy ({left.refusal.clause}): {left}")
         except Exception as err:  # one silo's failure must not take the others down
             logging.getLogger("silo_sim.worker").error("silo %s stopped: %s", name, err)
-            results[name] = 1
+            ended(name, 1, f"stopped: {err}")
         finally:
             if client is not None:
                 client.close()

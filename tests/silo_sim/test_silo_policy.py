@@ -48,3 +48,17 @@ def test_a_simulated_silo_whose_policy_refuses_the_run_leaves_and_the_others_tra
     assert "silo silo-003 refuses the run's terms (client_dp.required)" in hub
     rounds = json.loads((out / "summary.json").read_text())["rounds"]
     assert len(rounds) == 1 and rounds[0]["silos_reported"] == 2
+
+
+def test_a_run_left_with_fewer_silos_than_the_hub_waits_for_stops_and_says_how_to_go_on(tmp_path):
+    # silo-sim stages rounds.min_silos = --silos: once one silo left by its policy, the hub waited for it forever.
+    (tmp_path / "strict.yaml").write_text("client_dp: {required: true}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "silo_sim.cli", "--silos", "3", "--workers", "1", "--rounds", "1",
+         "--labels-per-class", "2", "--unlabeled", "60", "--option", "hub_epochs=1", "--no-baseline",
+         "--silo-policy", f"3={tmp_path / 'strict.yaml'}", "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert ("1 of 3 silos stopped before the run's end (silo-003 left by its policy (client_dp.required)" in said
+            and "--hub-set rounds.min_silos=2" in said), said[-2000:]
