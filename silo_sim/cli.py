@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--silo-policy", action="append", default=[], metavar="[N=]FILE",
                    help="a branch privacy policy (branch-policy.yaml, as silo-client --policy) for every silo, or "
                         "with N= for silo N only (1-based; repeatable, the specific one wins): the silo refuses a run "
-                        "whose terms fall short of it before reading any image")
+                        "whose terms fall short of it before reading any image (the hub waits for every silo: add "
+                        "--hub-set rounds.min_silos=N for the others to train without it)")
     p.add_argument("--validation-per-class", type=int, default=None, metavar="N",
                    help="held-out labeled validation images per class at the hub: the hub scores every round on "
                         "them and keeps the best round's model (best_model.safetensors); staged with 20 per class "
