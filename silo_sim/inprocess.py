@@ -134,6 +134,7 @@ def run_inprocess(
     aggregation: AggregationSection | None = None,
     state_dir: Path | None = None,
     privacy: HubPrivacy | None = None,
+    quorum: float = 1.0,
 ) -> tuple[HubState, list[RoundRecord]]:
     """Run `rounds` rounds of the deployed hub's round loop (silo_server/rounds/round_loop.py: sampling, weight caps,
     aggregation under hub.yaml's `aggregation` rule, scoring, records, checkpoints) with the silos in this process
@@ -145,7 +146,10 @@ def run_inprocess(
     (hub.yaml's rounds.silos_per_round and rounds.silos_per_round_count). Checkpoints and history.json go to
     `state_dir` (default: a temporary folder, removed after the run). `privacy` (HubPrivacy: secure aggregation,
     client-level DP) runs the hub's privacy layer and each silo's as over the wire (unsigned sessions: the silos
-    here have no certificates), so a private benchmark's numbers come from the same round loop."""
+    here have no certificates), so a private benchmark's numbers come from the same round loop. Every sampled silo
+    reports here; `quorum` (hub.yaml's rounds.quorum) is what the round plans for all the same: distributed DP
+    noise is split over the quorum's silos (per silo total / sqrt(quorum count)), and secure aggregation survives
+    down to it, as a hub with that quorum does (its default, 0.5, puts sqrt(2) times the noise of 1.0 on each silo)."""
     if not 0 < silos_per_round <= 1:
         raise ValueError(f"silos_per_round is a fraction in (0, 1], got {silos_per_round}; for a number of silos "
                          "pass silos_per_round_count")
@@ -166,7 +170,7 @@ def run_inprocess(
         records = RunRecords(state_dir or Path(scratch), evaluate=evaluate, validate=validate, privacy=privacy)
         loop = RoundLoop(
             hub, RoundSettings(total_rounds=rounds, silos_per_round=silos_per_round,
-                               silos_per_round_count=silos_per_round_count, quorum=1.0, seed=seed),
+                               silos_per_round_count=silos_per_round_count, quorum=quorum, seed=seed),
             registry, records, stop_event=threading.Event(), round_hyperparameters=round_hyperparameters,
             on_round=on_round, aggregation=aggregation, transport=InProcessSilos(silo, by_name), privacy=privacy)
         state = loop.run()

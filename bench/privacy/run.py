@@ -47,6 +47,7 @@ from security.secagg import QuantizationRule, SecAggParams  # noqa: E402
 from security.secagg.inprocess import Costs, aggregate  # noqa: E402
 from silo_core.models import ModelSpec  # noqa: E402
 from silo_core.rounds import RoundRecord  # noqa: E402
+from silo_server.config import RoundsSection  # noqa: E402
 
 OUT = ROOT / "bench" / "privacy" / "results"
 
@@ -181,7 +182,8 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
               + (f", epsilon {record.dp.epsilon:.3f}" if record.dp is not None else ""), flush=True)
 
     _, history = run_inprocess(hub, silo, silos, args.rounds, seed=args.seed, evaluate=score, on_round=report,
-                               silos_per_round_count=per_round if silo is not None else None, privacy=privacy)
+                               silos_per_round_count=per_round if silo is not None else None, privacy=privacy,
+                               quorum=args.quorum)
     finite = epsilon is not None and math.isfinite(epsilon)
     if not finite:  # an infinite target runs the same pipeline without noise: no epsilon to speak of
         history = [replace(r, dp=None) for r in history]
@@ -327,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--silos", type=int, default=20, help="dp: silos enrolled")
     p.add_argument("--sample-rate", type=float, default=0.5)
     p.add_argument("--clip-norm", type=float, default=1.0)
+    p.add_argument("--quorum", type=float, default=RoundsSection().quorum,
+                   help="dp: the quorum each round plans its distributed noise for (default: the hub's, "
+                        f"{RoundsSection().quorum}); the cells committed before 2026-11-29 ran at 1.0")
     p.add_argument("--silo-images", type=int, help="sample-dp: use only this many of the silos' images")
     p.add_argument("--tau", type=float, help="sample-dp: SemiFL's threshold (default: the demo's)")
     p.add_argument("--noise-multipliers", nargs="*", default=["0.6", "1.0", "2.0"], help="sample-dp: sigma values")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from security.dp import DPConfig
+from security.dp import DPConfig, per_silo_std
 from security.secagg import SecAggParams
 from silo_core.accounting import PrivacyAccountant
 from silo_core.algorithms.base import HubData, SiloData
@@ -60,3 +60,25 @@ def test_an_in_process_run_resumed_from_its_state_dir_goes_on_with_the_epsilon_i
     expected.step(1.0, 1.0, 3)
     assert [r.round for r in history] == [1, 2, 3]
     assert history[-1].dp.epsilon == pytest.approx(expected.epsilon())  # not one round's: the count went on
+
+
+@pytest.mark.parametrize(("quorum", "planned_for"), [(1.0, 4), (0.5, 2)])
+def test_distributed_noise_is_split_over_the_quorum_a_hub_with_that_quorum_plans_for(quorum, planned_for):
+    # Every silo reports in process, yet each must add the noise the wire's hub would ask of it: a hub at its
+    # default quorum 0.5 splits the noise over half the sampled silos, not all of them (once always 1.0 here).
+    section = PrivacySection(secure_aggregation=SecAggParams(enabled=True, dropouts=0),
+                             dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=2.0, noise="distributed"))
+    asked: list[float] = []
+
+    class Recording(HubPrivacy):
+        def begin(self, *args, **kwargs):
+            planned = super().begin(*args, **kwargs)
+            asked.append(planned.instructions.noise_std)
+            return planned
+
+    hub = NudgeHub(NudgeOptions(step=0.25), SPEC, HubData(IMAGES, torch.zeros(4, dtype=torch.int64)),
+                   torch.device("cpu"), 0, 1)
+    silos = [SiloData(images=IMAGES, silo_id=f"s{i}") for i in range(4)]
+    run_inprocess(hub, NudgeSilo(NudgeOptions(), SPEC, torch.device("cpu")), silos, 1,
+                  privacy=Recording(section, seed=0), quorum=quorum)
+    assert asked == [pytest.approx(per_silo_std(1.0 * 2.0, planned_for))]
