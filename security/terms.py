@@ -205,6 +205,17 @@ def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> 
                 # its noise the round's count of unclipped silos leaves un-noised.
                 breach("client_dp.noise", "noise on the clipping indicator", "none",
                        "a task removed the noise on the adaptive clipping indicator")
+            elif dp.adaptive and t.noise_std > 0 and t.clip_norm > 0:
+                # The update and its indicator (sensitivity 1/2) are two Gaussian mechanisms whose multipliers
+                # compose to (z_update^-2 + z_count^-2)^-1/2: that, not the update's alone, must reach the pinned z,
+                # which is what this silo's ledger charges (security/dp.py, adaptive clipping).
+                z_update = t.noise_std * math.sqrt(contributors) / t.clip_norm
+                z_count = 2 * t.indicator_noise_std * math.sqrt(contributors)
+                z_total = (z_update ** -2 + z_count ** -2) ** -0.5
+                if z_total < dp.noise_multiplier * (1 - TOLERANCE):
+                    breach("client_dp.noise", f"noise multiplier {dp.noise_multiplier:g} over the update and its "
+                           f"clipping indicator together", f"{z_total:.4g} (update {z_update:.4g}, indicator "
+                           f"{z_count:.4g})", "a task's noise composes to less than the pinned multiplier")
         elif t.noise_std != 0.0:
             breach("client_dp.noise", "central noise (none at the silo)", f"noise std {t.noise_std:g}",
                    "a task changed who adds the noise")

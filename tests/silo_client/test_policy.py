@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from security.dp import DPConfig
+from security.dp import DPConfig, update_noise_multiplier
 from security.secagg.params import SecAggParams
 from security.terms import PROTOCOL_VERSION, run_terms, task_breaches
 from silo.v1 import silo_pb2
@@ -221,8 +221,31 @@ def test_adaptive_clipping_keeps_the_noise_on_its_clipping_indicator():
     assert terms.client_dp.adaptive
     task = honest_task(terms)
     task.client_dp.adaptive = True
-    task.client_dp.indicator_noise_std = 0.3
+    # As the hub plans it: indicator noise sigma_b in all, the update's raised to z_Delta so that both compose to z.
+    z, sigma_b, m = terms.client_dp.noise_multiplier, 1.0, 5
+    task.client_dp.indicator_noise_std = sigma_b / math.sqrt(m)
+    task.client_dp.noise_std = update_noise_multiplier(z, sigma_b) * terms.client_dp.clip_norm / math.sqrt(m)
     assert task_breaches(terms, task) == []
+    task.client_dp.noise_std = z * terms.client_dp.clip_norm / math.sqrt(m)  # the update's floor alone: too little
+    (breach,) = task_breaches(terms, task)
+    assert breach.clause == "client_dp.noise" and "update and its clipping indicator together" in breach.message
+    task.client_dp.noise_std = update_noise_multiplier(z, sigma_b) * terms.client_dp.clip_norm / math.sqrt(m)
+    task.client_dp.indicator_noise_std = 1e-9  # a token indicator noise: the pair composes to almost no privacy
+    (breach,) = task_breaches(terms, task)
+    assert breach.clause == "client_dp.noise" and breach.asked.startswith("4.472e-09 (update")
     task.client_dp.indicator_noise_std = 0.0  # the count of unclipped silos would leave un-noised
     (breach,) = task_breaches(terms, task)
     assert breach.clause == "client_dp.noise" and "clipping indicator" in breach.message
+
+
+def test_the_hubs_own_adaptive_plan_composes_to_exactly_the_pinned_multiplier():
+    # The check above must pass what an honest hub sends: its DP controller's plan for a round of 5 contributors.
+    from silo_server.rounds.privacy import DPController
+
+    dp = {**GOOD_DP, "noise": "distributed", "adaptive_clipping": {"enabled": True, "max_clip_norm": 1.0}}
+    terms = run_with(secagg=GOOD_SECAGG, dp=dp, min_cohort=5).terms
+    plan = DPController(DPConfig(enabled=True, **dp), True, seed=0).plan_round(10, 20, 5)
+    task = honest_task(terms)
+    task.client_dp.adaptive, task.client_dp.clip_norm = True, plan.clip_norm
+    task.client_dp.noise_std, task.client_dp.indicator_noise_std = plan.noise_std, plan.indicator_noise_std
+    assert task_breaches(terms, task) == []
