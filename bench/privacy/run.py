@@ -191,7 +191,8 @@ def run_semifl(epsilon: float | None, args, train, test, hub_idx, parts, device,
             if finite else None, "spent_epsilon": history[-1].dp.epsilon if finite else None, "sample_rate": q,
             "final_accuracy": history[-1].scores.test_accuracy, "history": [h.to_json() for h in history],
             "seconds": time.time() - started,
-            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round}
+            "parameters": sum(p.numel() for p in spec.build().parameters()), "silos_per_round_count": per_round,
+            "quorum": args.quorum}
 
 
 def bench_dp(args) -> list[dict[str, Any]]:
@@ -215,9 +216,10 @@ def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
         f"the hub, {args.silos} IID silos, {round(args.sample_rate * args.silos)} per round, {args.rounds} rounds, "
         f"secure aggregation on, distributed noise, clip C = {args.clip_norm}, delta 1e-5, RDP).",
         f"Options: {json.dumps(args.options)}. Machine: {info['platform']}, {info['cpu_count']} CPUs. One seed.", "",
-        "The last column is the noise's L2 norm on the averaged update relative to the clip norm, z sqrt(d) / m "
-        "(d parameters, m silos per round): far above 1, the silos' contribution is drowned and only the hub's own "
-        "fine-tuning moves the model.", "",
+        "The last column is the noise's L2 norm on the averaged update relative to the clip norm, "
+        "z sqrt(d) sqrt(m / k) / m (d parameters, m silos per round, each adding the noise planned for the k a "
+        "round's quorum needs; k = m before 2026-11-29): far above 1, the silos' contribution is drowned and only the "
+        "hub's own fine-tuning moves the model.", "",
         "| setting | noise multiplier z | epsilon spent | test accuracy (%) | noise norm / C on the mean |",
         "|---|---|---|---|---|",
     ]
@@ -236,7 +238,9 @@ def dp_markdown(cells: list[dict[str, Any]], args, info: dict[str, Any]) -> str:
             z, e = "0 (clip only)", "inf"
         snr = "-"
         if c["noise_multiplier"] is not None and c.get("parameters"):
-            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters']) / c['silos_per_round_count']:.1f}"
+            m = c["silos_per_round_count"]
+            k = max(2, math.ceil(round(c.get("quorum", 1.0) * m, 9)))  # the hub's quorum, at least the cohort of 2
+            snr = f"{c['noise_multiplier'] * math.sqrt(c['parameters'] * m / k) / m:.1f}"
         lines.append(f"| {name} | {z} | {e} | {100 * c['final_accuracy']:.1f} | {snr} |")
     return "\n".join(lines) + "\n"
 
