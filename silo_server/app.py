@@ -101,6 +101,11 @@ class HubApp:
         self.labeled = load_source(d.labeled, m.image_size, m.in_channels, d.cache_mb, d.loader_workers)
         if self.labeled.labels is None or len(self.labeled) < 2:
             raise ValueError("data.labeled must hold labeled images (at least 2)")
+        # The class names go to every silo (RunDescription.classes, UTF-8 on the wire) and into the model card.
+        unnamed = [c for c in self.labeled.classes if not utf8_text(c)]
+        if unnamed:
+            raise ValueError(f"data.labeled has a class folder whose name is not UTF-8 text ({unnamed[0]!r}); rename "
+                             "it (silos name their labeled class folders the same)")
         self.test = load_source(d.test, m.image_size, m.in_channels, d.cache_mb, d.loader_workers) if d.test else None
         self.validation = validation = (load_source(d.validation, m.image_size, m.in_channels, d.cache_mb,
                                                     d.loader_workers) if d.validation else None)
@@ -532,3 +537,13 @@ def config_sha256(config: HubConfig) -> str:
     """A fingerprint of the validated config (canonical JSON): the audit records it per run, never the config
     itself, whose paths name the hub's data."""
     return sha256_hex(json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode())
+
+
+def utf8_text(name: str) -> bool:
+    """Whether a name read from the file system is text the wire can carry (a folder named in another encoding
+    reaches Python with surrogates, which protobuf refuses)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

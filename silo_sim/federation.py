@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,7 +243,7 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                             write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
                                 staged, metrics_files, procs, logs))
                 elif launched.workers:
-                    stalled = silos_stopped(staged, launched.workers, logs)
+                    stalled = silos_stopped(staged, launched.workers, logs, lambda: hub_phase(metrics_ports["hub"]))
                     if stalled:
                         raise RuntimeError(stalled)
                 time.sleep(0.5)
@@ -263,27 +266,44 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
             ray_hosts.close()
 
 
-def silos_stopped(staged, workers: list[subprocess.Popen | Forked], logs: Path) -> str | None:
+def silos_stopped(staged, workers: list[subprocess.Popen | Forked], logs: Path,
+                  phase: Callable[[], str | None]) -> str | None:
     """Why the run cannot go on, or None: the silos that stopped before its end (a policy that refused the run, a
-    crash, a worker process gone) leave fewer than the hub's rounds.min_silos, which it would wait for forever."""
+    crash, a worker process gone) leave fewer than the hub's rounds.min_silos, and the hub (`phase`: its current
+    phase) waits for silos before its next round, which it would do forever. A round already under way goes on:
+    it closes at its quorum."""
     hosts = len(workers)
     gone: dict[str, str] = {}
     for w, proc in enumerate(workers):
-        ended = staged.root / f"worker-{w}.ended.json"
-        if ended.is_file():
-            gone.update(json.loads(ended.read_text()))
-        if proc.poll() not in (None, 0):  # the whole host: every silo it hosted that had not ended already
+        path = staged.root / f"worker-{w}.ended.json"
+        ends = json.loads(path.read_text()) if path.is_file() else {}
+        gone.update({name: end["why"] for name, end in ends.items() if end["code"] != 0})
+        if proc.poll() not in (None, 0):  # the whole host: each silo it hosted whose end it had not written
             for s in staged.silos[w::hosts]:
-                gone.setdefault(s.name, f"its host worker-{w} exited with code {proc.poll()}")
+                if s.name not in ends:
+                    gone[s.name] = f"its host worker-{w} exited with code {proc.poll()}"
     if not gone:
         return None
     need = int(hub_section(staged, "rounds").get("min_silos", 1))
-    if len(staged.silos) - len(gone) >= need:
+    if len(staged.silos) - len(gone) >= need or phase() != "waiting_for_silos":
         return None
     shown = "; ".join(f"{name} {why}" for name, why in sorted(gone.items())[:5])
     return (f"{len(gone)} of {len(staged.silos)} silos stopped before the run's end ({shown}), leaving fewer than "
             f"the {need} the hub waits for (rounds.min_silos): see {logs}/worker-*.log, or let the others go on "
             f"with --hub-set rounds.min_silos={len(staged.silos) - len(gone)}")
+
+
+def hub_phase(port: int | None) -> str | None:
+    """The hub's current phase, from its /metrics (silokit_hub_phase), or None when it cannot be read."""
+    if port is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    found = re.search(r'^silokit_hub_phase\{phase="(\w+)"\} 1(\.0)?$', text, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen | Forked], logs: Path,

@@ -52,17 +52,17 @@ def host_silos(spec: dict[str, Any], stop: threading.Event) -> dict[str, int]:
 
     results: dict[str, int] = {}
     hub_listening = threading.Event()
-    ended_early: dict[str, str] = {}  # silo -> why it stopped before the run's end (spec's ended_file, for silo-sim)
-    ended_lock = threading.Lock()
+    ends: dict[str, dict[str, Any]] = {}  # silo -> its exit code and why (spec's ended_file, which silo-sim reads)
+    ends_lock = threading.Lock()
 
     def ended(name: str, code: int, why: str) -> None:
         results[name] = code
-        if code != 0 and spec.get("ended_file"):
+        if spec.get("ended_file"):
             from silo_core.files import write_json_atomic
 
-            with ended_lock:
-                ended_early[name] = why
-                write_json_atomic(Path(spec["ended_file"]), ended_early)
+            with ends_lock:
+                ends[name] = {"code": code, "why": why}
+                write_json_atomic(Path(spec["ended_file"]), ends)
     threading.Thread(target=wait_for_listener, args=(spec["hub"], hub_listening, stop,
                                                      float(spec.get("connect_timeout_s", 120))),
                      name="hub-probe", daemon=True).start()

@@ -58,6 +58,21 @@ def test_a_validation_folder_with_other_classes_than_the_labeled_one_is_refused_
             in err and "give a class the split lacks an empty folder" in err), err
 
 
+def test_a_class_folder_named_in_another_encoding_is_refused_at_start(tmp_path):
+    # Class names go to every silo in the run description: a Latin-1 folder name (surrogates in Python) once let
+    # the hub start and then failed every Join on protobuf's UTF-8 encoding.
+    labeled = os.fsencode(tmp_path / "labeled")
+    for name in (b"R\xe9sum\xe9", b"other"):
+        write_images(tmp_path / os.fsdecode(labeled + b"/" + name), n=2)
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"labeled": {"kind": "imagefolder", "path": "labeled"}},
+                                   "model": {"image_size": 28, "in_channels": 1},
+                                   "run": {"state_dir": "state", "device": "cpu"}}))
+    rc, err = run_server("--config", str(cfg), "--check")
+    assert rc == 2 and "Traceback" not in err, err
+    assert "data.labeled has a class folder whose name is not UTF-8 text ('R\\udce9sum\\udce9'); rename it" in err
+
+
 def test_check_mode_validates_without_serving(tmp_path):
     init_ca(tmp_path / "ca")
     issue_hub(tmp_path / "ca", tmp_path / "hub")
