@@ -38,7 +38,7 @@ from silo_core.data.datasets import DEMO_FILE
 from silo_sim.stage import SimData, cache_dir, torchvision_source, write_hub_yaml
 from silo_sim.staged import SiloSpec, StagedFederation
 
-LAYOUT = 3  # bump when what stage_federation writes changes (3: class folders under their own names), so older folders are not reused
+LAYOUT = 3  # bump when what stage_federation writes changes (3: class folders under their own names)
 KEEP = 3  # staged federations kept, the most recently used
 MIN_DAYS_LEFT = 30  # a kept federation whose certificates expire sooner is staged again
 COMPLETE = "complete"

@@ -197,7 +197,8 @@ def test_a_second_certificate_for_a_live_silo_is_refused_and_logged(tmp_path, ca
 # ------------------------------------------------------------------------------------------------ stall the run
 
 
-def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
+def _round_of_three_with_a_reported(tmp_path):
+    """Silos a, b, c (serials 1-3) in a round that needs 2 reports, a's in; add a serial to `revoked` to revoke."""
     hub = make_hub(tmp_path, min_silos=3, quorum=0.5, deadline_s=600)
     revoked: set[int] = set()
     hub.registry.is_revoked = revoked.__contains__
@@ -206,6 +207,11 @@ def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
     thread, out = start_round(hub)
     tasks = {s: wait_task(hub, s) for s in ("a", "b", "c")}
     upload(hub, "a", tasks["a"], {"delta/x": torch.full((3,), 1.0), "weight": torch.ones(1)})
+    return hub, revoked, thread, out, tasks
+
+
+def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
+    hub, revoked, thread, out, tasks = _round_of_three_with_a_reported(tmp_path)
     upload(hub, "b", tasks["b"], {"delta/x": torch.full((3,), 3.0), "weight": torch.ones(1)})
     started = time.time()
     revoked.add(3)  # c is busy training (no call the gate could refuse) when its certificate is revoked
@@ -220,14 +226,7 @@ def test_a_revoked_silo_leaves_its_round_at_once(tmp_path):
 def test_an_upload_streaming_when_its_silo_is_revoked_does_not_reach_the_model(tmp_path):
     # The gate checks a certificate when a call opens; an upload already streaming when the CRL lists its silo must
     # not land in the sums after the round loop counted the silo out (it once did, listed as left out).
-    hub = make_hub(tmp_path, min_silos=3, quorum=0.5, deadline_s=600)
-    revoked: set[int] = set()
-    hub.registry.is_revoked = revoked.__contains__
-    for i, s in enumerate(("a", "b", "c")):
-        hub.join(s, 10, 0, "cpu", serial=i + 1)
-    thread, out = start_round(hub)
-    tasks = {s: wait_task(hub, s) for s in ("a", "b", "c")}
-    upload(hub, "a", tasks["a"], {"delta/x": torch.full((3,), 1.0), "weight": torch.ones(1)})  # 1 of the 2 needed
+    hub, revoked, thread, out, tasks = _round_of_three_with_a_reported(tmp_path)  # 1 of the 2 needed
     payload = encode({"delta/x": torch.full((3,), 100.0), "weight": torch.ones(1)})
     counted_out = threading.Event()
 
