@@ -42,15 +42,13 @@ from silo_core.data import (
 )
 from silo_core.files import write_json_atomic
 from silo_core.models import (
-    RUN_WEIGHTS,
     ModelSpec,
     WeightsReport,
     architecture,
     architecture_sha256,
     count_parameters,
     load_weights,
-    read_run_weights,
-    read_weights,
+    starting_weights,
 )
 from silo_core.partition import split_labeled_per_class
 from silo_core.rounds import RoundRecord, Scores
@@ -162,12 +160,10 @@ class HubApp:
         the hub here, before any silo is served), log what loaded, and hand them to the algorithm's hub half for
         its initial training. The run description is unchanged: silos never see the file, only the model."""
         m = self.config.model
-        if m.init_from_run is not None:
-            weights, source = read_run_weights(m.init_from_run, self.spec), str(m.init_from_run / RUN_WEIGHTS)
-        elif m.init_weights is not None:
-            weights, source = read_weights(m.init_weights), str(m.init_weights)
-        else:
+        start = starting_weights(m.init_from_run, m.init_weights, self.spec)
+        if start is None:
             return None
+        weights, source = start
         report = load_weights(self.spec.build(), weights, self.spec.num_classes, source)
         for i, line in enumerate(report.lines()):
             log.log(logging.WARNING if i and report.worrying else logging.INFO, line)

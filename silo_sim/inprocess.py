@@ -28,7 +28,7 @@ from silo_client.privacy import SiloPrivacy
 from silo_core.algorithms import get_algorithm
 from silo_core.algorithms.base import HubAlgorithm, HubData, HubState, SiloAlgorithm, SiloData
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
-from silo_core.models import ModelSpec
+from silo_core.models import ModelSpec, starting_weights
 from silo_core.rounds import RoundRecord
 from silo_core.training import evaluate as evaluate_model
 from silo_server.config import load_config
@@ -211,10 +211,14 @@ def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed:
         true_labels = torch.tensor(json.loads(silo.labels.read_text()), dtype=torch.int64)
         silos.append(SiloData(images=images, true_labels=true_labels, silo_id=silo.name))
     spec = ModelSpec.from_config(staged, len(labeled.classes))  # as the hub made it
-    if model is not None and model != spec.name:
+    other_model = model is not None and model != spec.name
+    if other_model:
         spec = replace(spec, name=model, factory=None, options={})
     hub_data = HubData(labeled.images, labeled.labels, *((validation.images, validation.labels) if validation else ()))
     hub = entry.hub(opts, spec, hub_data, device, seed, rounds)
+    start = None if other_model else starting_weights(staged.init_from_run, staged.init_weights, spec)
+    if start is not None:  # the staged run's starting model (another `model` starts from its own random weights)
+        hub.initial_weights = start[0]
     silo = entry.silo(opts, spec, device) if entry.silo is not None else None
     _, history = run_inprocess(hub, silo, silos, rounds, 1.0, seed, evaluate=lambda state: evaluate_model(
         hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device))

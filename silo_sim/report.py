@@ -25,7 +25,7 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
     from silo_core.algorithms.base import HubData
     from silo_core.algorithms.server_only import ServerOnlyHub
     from silo_core.data import load_labeled_folder
-    from silo_core.models import ModelSpec
+    from silo_core.models import ModelSpec, starting_weights
     from silo_core.training import evaluate, resolve_device
     from silo_server.config import load_config
 
@@ -43,6 +43,9 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
                       f"its default used ({', '.join(f'{k}={getattr(opts, k)}' for k in left_out)})")
     dev = resolve_device(device)
     algo = ServerOnlyHub(opts, spec, HubData(labeled.images, labeled.labels), dev, seed, rounds)
+    start = starting_weights(config.model.init_from_run, config.model.init_weights, spec)
+    if start is not None:  # from the run's own starting model, as its hub trained
+        algo.initial_weights = start[0]
     state = algo.init_state()
     started = time.time()
     for _ in range(rounds):

@@ -52,6 +52,7 @@ from silo_core.models.weights import (
     load_weights,
     read_run_weights,
     read_weights,
+    starting_weights,
 )
 
 # The library providers, each registering itself on import (an optional library is imported only when one of its
@@ -70,5 +71,5 @@ __all__ = [
     "ModelProvider", "ModelSpec", "SmallCNN", "TensorShape", "WeightsReport", "WideResNet", "adapt_stem",
     "architecture", "architecture_difference", "architecture_sha256", "count_parameters", "group_norms",
     "load_factory", "load_weights", "model_names", "norm2d", "read_run_weights", "read_weights", "register_model",
-    "register_provider", "static_batchnorm", "static_bn2d", "trainable_names",
+    "register_provider", "starting_weights", "static_batchnorm", "static_bn2d", "trainable_names",
 ]

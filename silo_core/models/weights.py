@@ -134,6 +134,18 @@ def read_run_weights(directory: Path | str, spec: ModelSpec) -> dict[str, torch.
     return read_weights(directory / RUN_WEIGHTS)
 
 
+def starting_weights(init_from_run: Path | None, init_weights: Path | None,
+                     spec: ModelSpec) -> tuple[dict[str, torch.Tensor], str] | None:
+    """hub.yaml's model.init_from_run or model.init_weights, read, and where from; None for a random start. Every
+    hub half that trains for the run reads them so (the hub, silo-sim's baseline and replay): a baseline from
+    random weights would overstate the lift of a run that started from a backbone."""
+    if init_from_run is not None:
+        return read_run_weights(init_from_run, spec), str(Path(init_from_run) / RUN_WEIGHTS)
+    if init_weights is not None:
+        return read_weights(init_weights), str(init_weights)
+    return None
+
+
 def _head_names(model: nn.Module, num_classes: int) -> set[str]:
     """The classifier's tensors: those of the last Linear or Conv2d with num_classes outputs (resnet `fc`, vit
     `heads.head`, squeezenet's final convolution), or of the last Linear when none has."""

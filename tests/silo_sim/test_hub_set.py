@@ -123,3 +123,27 @@ def test_the_baseline_keeps_the_shared_options_server_only_can_take_and_names_th
     opts, left_out = baseline_options({"lr_schedule": "exponential", "hub_epochs": 2, "lr": 0.01, "tau": 0.9})
     assert (opts.hub_epochs, opts.lr, opts.lr_schedule, left_out) == (2, 0.01, "cosine", ["lr_schedule"])
     assert baseline_options({"hub_epochs": 3})[1] == []
+
+
+def test_the_baseline_starts_from_the_runs_own_starting_weights(tmp_path, monkeypatch):
+    # A run started from model.init_weights (a backbone) was compared with a server-only baseline from random weights,
+    # overstating the silos' lift; the baseline (and replay) now read the same starting model as the hub.
+    import yaml
+    from safetensors.torch import save_file
+
+    from silo_core.algorithms.server_only import ServerOnlyHub
+    from silo_core.models import ModelSpec
+    from silo_server.config import load_config
+    from silo_sim.report import server_only_baseline
+    from silo_sim.stage import stage_federation
+
+    staged = stage_federation(tmp_path / "fed", num_silos=2, labels_per_class=1, unlabeled_limit=20, test_per_class=1)
+    start = ModelSpec.from_config(load_config(staged.hub_config).model, 10).build().state_dict()
+    save_file({k: v.contiguous() for k, v in start.items()}, str(tmp_path / "start.safetensors"))
+    config = yaml.safe_load(staged.hub_config.read_text())
+    config["model"]["init_weights"] = str(tmp_path / "start.safetensors")
+    staged.hub_config.write_text(yaml.safe_dump(config))
+    seen, init_state = [], ServerOnlyHub.init_state
+    monkeypatch.setattr(ServerOnlyHub, "init_state", lambda self: seen.append(self.initial_weights) or init_state(self))
+    server_only_baseline(staged, {"hub_epochs": 1, "init_epochs": 1}, 1, 0, "cpu")
+    assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == set(start)
