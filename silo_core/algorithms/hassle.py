@@ -58,7 +58,7 @@ from silo_core.algorithms.base import (
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import to_float, weak_augment
 from silo_core.data import Images, image_batches, readable
-from silo_core.models import ModelSpec
+from silo_core.models import ModelSpec, head_names
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
@@ -161,15 +161,16 @@ class DualEnsemble(nn.Module):
         return (self.supervised(x) + self.residual_us(x) + self.unsupervised(x) + self.residual_su(x)) / 2
 
 
-def zero_output(model: nn.Module) -> nn.Module:
-    """Zero the last linear layer: a residual model starts by adding nothing to the model it complements. (A random
-    residual would add logit noise as large as a trained model's margins: with a warmed-up S, round 1's
-    pseudo-labels S + r_US lost 16 points of accuracy to it on the demo data.)"""
-    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+def zero_output(model: nn.Module, num_classes: int) -> nn.Module:
+    """Zero the classifier (models/weights.py head_names: a Linear or a squeezenet's final convolution, both heads
+    of a distilled DeiT): a residual model starts by adding nothing to the model it complements. (A random residual
+    would add logit noise as large as a trained model's margins: with a warmed-up S, round 1's pseudo-labels
+    S + r_US lost 16 points of accuracy to it on the demo data.)"""
+    head = head_names(model, num_classes)
     with torch.no_grad():
-        last.weight.zero_()
-        if last.bias is not None:
-            last.bias.zero_()
+        for name, tensor in model.named_parameters():
+            if name in head:
+                tensor.zero_()
     return model
 
 
@@ -210,8 +211,8 @@ class HASSLEHub(HubAlgorithm):
             mean=self.model_spec.mean,
             std=self.model_spec.std, device=self.device, generator=seeded_generator(self.seed, 0, 1), flip=o.flip,
         )
-        models = {"S": supervised, "U": copy.deepcopy(supervised), "rUS": zero_output(self.specs["rUS"].build()),
-                  "rSU": zero_output(self.specs["rSU"].build())}
+        models = {"S": supervised, "U": copy.deepcopy(supervised),
+                  **{r: zero_output(self.specs[r].build(), self.specs[r].num_classes) for r in ("rUS", "rSU")}}
         tensors: dict[str, torch.Tensor] = {}
         for key, model in models.items():
             self._static_bn(model)

@@ -49,6 +49,7 @@ from silo_core.models.weights import (
     RUN_CARD,
     RUN_WEIGHTS,
     WeightsReport,
+    head_names,
     load_weights,
     read_run_weights,
     read_weights,
@@ -70,6 +71,6 @@ __all__ = [
     "BUILT_INS", "HEADS", "LIBRARIES", "MODELS", "MODEL_OPTIONS", "NORMS", "PROVIDERS", "RUN_CARD", "RUN_WEIGHTS",
     "ModelProvider", "ModelSpec", "SmallCNN", "TensorShape", "WeightsReport", "WideResNet", "adapt_stem",
     "architecture", "architecture_difference", "architecture_sha256", "count_parameters", "group_norms",
-    "load_factory", "load_weights", "model_names", "norm2d", "read_run_weights", "read_weights", "register_model",
-    "register_provider", "starting_weights", "static_batchnorm", "static_bn2d", "trainable_names",
+    "head_names", "load_factory", "load_weights", "model_names", "norm2d", "read_run_weights", "read_weights",
+    "register_model", "register_provider", "starting_weights", "static_batchnorm", "static_bn2d", "trainable_names",
 ]

@@ -146,14 +146,24 @@ def starting_weights(init_from_run: Path | None, init_weights: Path | None,
     return None
 
 
-def _head_names(model: nn.Module, num_classes: int) -> set[str]:
-    """The classifier's tensors: those of the last Linear or Conv2d with num_classes outputs (resnet `fc`, vit
-    `heads.head`, squeezenet's final convolution), or of the last Linear when none has."""
+def head_names(model: nn.Module, num_classes: int) -> set[str]:
+    """The classifier's tensors: those of the last Linear or Conv2d layers with num_classes outputs (resnet `fc`,
+    vit `heads.head`, squeezenet's final convolution; both of a distilled DeiT's `head` and `head_dist`, the last
+    layers in a row that give num_classes outputs), or of the last one with num_classes outputs, or of the last
+    Linear when none has."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
-    outputs = [(n, m) for n, m in layers if (m.out_features if isinstance(m, nn.Linear) else m.out_channels)
-               == num_classes]
+
+    def outputs(m: nn.Module) -> int:
+        return m.out_features if isinstance(m, nn.Linear) else m.out_channels
+
+    trailing = []
+    for n, m in reversed(layers):
+        if outputs(m) != num_classes:
+            break
+        trailing.append((n, m))
+    classifiers = [(n, m) for n, m in layers if outputs(m) == num_classes]
     linear = [(n, m) for n, m in layers if isinstance(m, nn.Linear)]
-    chosen = (outputs or linear)[-1:] if layers else []
+    chosen = trailing or (classifiers or linear)[-1:]
     return {f"{n}.{p}" if n else p for n, m in chosen for p, _ in m.named_parameters(recurse=False)}
 
 
@@ -165,7 +175,7 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], num_classes
     - A tensor of the same name and shape is copied (cast to the model's dtype).
     - A 3-channel stem (a 4-D convolution weight (out, 3, k, k)) going into a 1-channel model (out, 1, k, k) is
       summed over colour: grayscale images then give the first layer what the colour network saw for gray pixels.
-    - The classifier (`_head_names`) stays as initialised when its shape differs: another class count.
+    - The classifier (`head_names`) stays as initialised when its shape differs: another class count.
     - Any other shape difference is a ValueError naming the tensor and both shapes: a different architecture.
     - The model's tensors that the file lacks stay as initialised and are listed: BN running statistics are
       harmless (static BN recomputes them from the hub's data), missing weights are reported as a warning, not an
@@ -174,7 +184,7 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], num_classes
     - The file's tensors that the model lacks are listed and ignored."""
     report = WeightsReport(source)
     state = model.state_dict()
-    head = _head_names(model, num_classes)
+    head = head_names(model, num_classes)
     for name, target in state.items():
         if name not in weights:
             report.missing.append(name)

@@ -160,3 +160,21 @@ def test_the_hub_half_starts_from_the_initial_weights(algorithm):
         for name, _ in spec.build().named_parameters():  # BN statistics are recomputed from the hub's data
             assert torch.equal(state.tensors[prefix + name], weights[name]), prefix + name
         assert not torch.equal(fresh.tensors[prefix + "classifier.weight"], weights["classifier.weight"])
+
+
+def test_every_head_of_a_two_headed_classifier_is_the_classifier():
+    # A distilled DeiT has `head` and `head_dist`, both giving the classes: an ImageNet file into a 2-class model once
+    # stopped the hub at `head` ("another architecture's") because only the last of the two was taken for the head.
+    pytest.importorskip("timm")
+    spec = ModelSpec("timm/deit_tiny_distilled_patch16_224", num_classes=2, in_channels=3, image_size=224)
+    imagenet = ModelSpec(spec.name, num_classes=1000, in_channels=3, image_size=224).build().state_dict()
+    report = load_weights(spec.build(), imagenet, 2, "imagenet.safetensors")
+    assert {n.split(".")[0] for n in report.head} == {"head", "head_dist"} and report.head_classes == (1000, 2)
+
+
+def test_hassles_residual_starts_at_zero_output_whatever_its_classifier():
+    # squeezenet's classifier is a convolution: zeroing "the last Linear" found none and the hub crashed at start.
+    from silo_core.algorithms.hassle import zero_output
+
+    model = zero_output(ModelSpec("torchvision/squeezenet1_1", num_classes=3, in_channels=1, image_size=64).build(), 3)
+    assert torch.count_nonzero(model.eval()(torch.randn(2, 1, 64, 64))) == 0
