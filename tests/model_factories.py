@@ -27,4 +27,13 @@ def wrong_output(num_classes: int, in_channels: int, image_size: int) -> nn.Modu
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size * image_size, num_classes + 1))
 
 
+def widths_from_tensors(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """Works out its width with tensor arithmetic, as torchvision's regnet does: no value on the meta device."""
+    import torch
+
+    width = int(torch.tensor(4.0).mul(2).item())
+    return nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(width, num_classes))
+
+
 NOT_CALLABLE = 3

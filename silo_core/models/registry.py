@@ -273,6 +273,15 @@ def check_model(spec: ModelSpec) -> None:
         probe(spec, provider, name)
 
 
+def _meta_trouble(err: BaseException) -> bool:
+    """Whether a build failed only for being on the meta device (itself, or as the cause a provider wrapped: a user
+    factory's builder calling .item() raises a RuntimeError, which its provider reports as a ValueError)."""
+    for e in (err, err.__cause__):
+        if isinstance(e, NotImplementedError) or (isinstance(e, RuntimeError) and "meta" in str(e)):
+            return True
+    return False
+
+
 def probe(spec: ModelSpec, provider: ModelProvider, name: str) -> None:
     """Build spec's network and run one training-mode batch through it on the meta device (shapes only, no
     memory, no arithmetic): a bad option, a stem that cannot change or an image size the network cannot take fails
@@ -283,7 +292,9 @@ def probe(spec: ModelSpec, provider: ModelProvider, name: str) -> None:
     try:
         with torch.device("meta"):
             model = make()
-    except (NotImplementedError, RuntimeError):  # code that computes with tensors (regnet's widths) cannot run on meta
+    except Exception as err:  # code that computes with tensors (regnet's widths) cannot run on meta: build on the CPU
+        if not _meta_trouble(err):
+            raise
         model = make().to("meta")
     for layer in model.modules():  # a meta tensor has no value for static BN's 1/num_batches_tracked; same shapes
         if isinstance(layer, nn.modules.batchnorm._BatchNorm):

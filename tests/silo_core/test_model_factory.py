@@ -28,6 +28,12 @@ def test_a_factory_gets_the_runs_shape_and_options_and_the_kits_static_bn() -> N
         ModelSpec(TINY, factory=TINY).scaled(0.5)
 
 
+def test_a_factory_that_computes_with_tensors_passes_the_config_time_check() -> None:
+    # On the meta device .item() has no value: the check builds such a network on the CPU instead of refusing it.
+    factory = "tests.model_factories:widths_from_tensors"
+    ModelSpec(factory, num_classes=3, in_channels=1, image_size=8, factory=factory).check_options()
+
+
 @pytest.mark.parametrize(("factory", "says"), [
     ("tests.model_factories.tiny_net", "must be written package.module:callable"),
     ("no_such_package_xyz.models:build", "cannot import no_such_package_xyz"),
