@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -297,13 +296,17 @@ def hub_phase(port: int | None) -> str | None:
     """The hub's current phase, from its /metrics (silokit_hub_phase), or None when it cannot be read."""
     if port is None:
         return None
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
             text = response.read().decode()
     except OSError:
         return None
-    found = re.search(r'^silokit_hub_phase\{phase="(\w+)"\} 1(\.0)?$', text, re.MULTILINE)
-    return found.group(1) if found else None
+    for family in text_string_to_metric_families(text):
+        if family.name == "silokit_hub_phase":
+            return next((s.labels["phase"] for s in family.samples if s.value == 1), None)
+    return None
 
 
 def _wait_for_metrics_ports(staged, worker_files: list[Path], procs: list[subprocess.Popen | Forked], logs: Path,
