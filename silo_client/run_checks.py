@@ -63,11 +63,12 @@ def check_labeled_classes(folder: Path, classes: list[str], run: silo_pb2.RunDes
     """A silo's own labeled folder (--labeled) must name the run's classes in the hub's order: its labels are
     positions in its sorted class folders, so other names (or another order, such as "Malignant" sorting before
     "benign") would train the run on labels that mean other classes. A hub that predates run.classes: the count."""
-    if list(run.classes) and not same_classes(classes, list(run.classes)):
-        raise SiloError(f"labeled folder {folder} has classes {describe_classes(classes)} but the run has "
-                        f"{describe_classes(list(run.classes))}; name one sub-folder per class exactly as the hub does "
-                        f"(an empty folder for a class this site has no images of)")
-    if len(classes) != run.num_classes:
+    if run.classes:
+        if not same_classes(classes, list(run.classes)):
+            raise SiloError(f"labeled folder {folder} has classes {describe_classes(classes)} but the run has "
+                            f"{describe_classes(list(run.classes))}; name one sub-folder per class exactly as the hub "
+                            f"does (an empty folder for a class this site has no images of)")
+    elif len(classes) != run.num_classes:
         raise SiloError(f"labeled folder {folder} has {len(classes)} class folders but the run has {run.num_classes} "
                         f"classes; give it one sub-folder per class, in the hub's order (an empty folder for a class "
                         f"this site has no images of)")
