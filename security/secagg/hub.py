@@ -202,7 +202,7 @@ class HubSession:
         """U1, and each member's roster: parameters plus the public keys of its neighbours in U1."""
         if self.stage != "advertise_keys":
             raise msg.ProtocolError(f"cannot close advertise_keys at stage {self.stage}")
-        self.u1 = self._prune(set(self.keys), "advertise_keys")
+        self.u1 = self._prune(set(self.keys) - self.gone, "advertise_keys")  # no roster names a silo that left
         rules = [msg.RuleMsg(pattern=r.pattern, clip=r.clip, bits=r.bits) for r in self.rules]
         rosters = {}
         for i in sorted(self.u1):

@@ -324,8 +324,11 @@ class HubPrivacy:
         secagg = dp = None
         need = max(need, rp.min_contributors)
         if rp.session is not None:
-            if len(task.reported) < need:
-                raise RoundFailed(f"{len(task.reported)} of {len(task.sampled)} sampled silos finished training, "
+            # A silo that advertised its keys and then left (revoked, aborted) counts as it does for the round
+            # loop's quorum wait: not at all.
+            finished = len(task.reported - task.gone)
+            if finished < need:
+                raise RoundFailed(f"{finished} of {len(task.sampled)} sampled silos finished training, "
                                   f"below quorum {need}")
             try:
                 result, stage_seconds = self._drive(task, hooks)

@@ -213,7 +213,7 @@ class RoundLoop:
         t = self.task
         if t is None or silo_id not in t.sampled or silo_id in t.gone:
             return
-        if t.privacy is None and silo_id in t.reported:
+        if silo_id in t.reported and (t.privacy is None or t.privacy.session is None):
             return  # its result is in the sums already (under secure aggregation a report is only its keys)
         t.gone.add(silo_id)
         if t.privacy is not None:

@@ -369,6 +369,96 @@ def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
     assert abs(float(noise.mean())) < 5 * z * clip / 5 / D ** 0.5
 
 
+class RevokedAfterReporting(Silo):
+    """Reports its update (or, under secure aggregation, advertises its keys), then its certificate is revoked and
+    the hub evicts it; the others send theirs only after that (`others_go`)."""
+
+    def __init__(self, *args, others_go: threading.Event, stage: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.others_go, self.stage = others_go, stage
+
+    def revoked(self):
+        self.hub.rounds.evict(self.silo_id)
+        self.finished.set()
+        self.others_go.set()
+
+    def send_result(self, task, tensors, metrics, skipped, charge=None):
+        out = super().send_result(task, tensors, metrics, skipped, charge)
+        self.revoked()
+        return out
+
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
+        super().send_stage(task_id, round_, stage, payload, charge, tensors)
+        if stage == self.stage:
+            self.revoked()
+
+
+class AfterTheRevocation(Silo):
+    def __init__(self, *args, go: threading.Event, **kw):
+        super().__init__(*args, **kw)
+        self.go = go
+
+    def send_result(self, task, tensors, metrics, skipped, charge=None):
+        assert self.go.wait(10)
+        return super().send_result(task, tensors, metrics, skipped, charge)
+
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
+        if stage == "advertise_keys":
+            assert self.go.wait(10)
+        super().send_stage(task_id, round_, stage, payload, charge, tensors)
+
+
+def test_under_central_dp_a_silo_revoked_after_its_update_was_summed_still_counts_as_a_contributor(tmp_path):
+    # Central DP without secure aggregation: the update is in the noised sum the moment it arrives, so a later
+    # eviction must not make the record (or the card) say it dropped out.
+    section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=0.5, clip_norm=200.0))
+    hub = make(tmp_path, section, quorum=1.0, min_silos=3)
+    go = threading.Event()
+    silos = [RevokedAfterReporting(hub, "a", 1.0, others_go=go),
+             *(AfterTheRevocation(hub, s, 1.0, go=go) for s in ("b", "c"))]
+    for s in silos:
+        s.start()
+    hub.run()
+    record = hub.records.history[-1]
+    assert "a" not in hub.registry.live_silos()  # evicted
+    assert record.silos_contributed == 3 and record.silos_reported == 3 and record.silos_dropped == 0
+    assert record.silos_left_out == () and hub.records.contributed == {"a": 1, "b": 1, "c": 1}
+    assert record.dp is not None and record.dp.epsilon > 0
+
+
+def test_a_secure_round_whose_keys_came_from_a_silo_since_revoked_fails_below_quorum(tmp_path, caplog):
+    # Four sampled, three needed: s0 advertises its keys and is then revoked, s3 never trains. The round loop's
+    # quorum wait does not count s0; the session must not either (no roster naming s0 goes out).
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG), min_silos=4, quorum=0.75, deadline_s=2.0)
+    go = threading.Event()
+    silos = [RevokedAfterReporting(hub, "s0", 1.0, others_go=go, stage="advertise_keys"),
+             *(AfterTheRevocation(hub, s, 1.0, go=go) for s in ("s1", "s2"))]
+    hub.join("s3", 10, 0, "cpu")  # joined, then silent
+    for s in silos:
+        s.start()
+    state = hub.rounds.resume_or_init()
+    stopped = []
+
+    def run():
+        try:
+            hub.rounds.run_round(state)
+        except InterruptedError:
+            stopped.append(True)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    deadline = time.time() + 30
+    while hub.registry.counters.get("rounds_failed", 0) < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert hub.registry.counters["rounds_failed"] == 1 and hub.registry.counters.get("below_quorum") == 1
+    failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
+    assert "2 of 4 sampled silos finished training, below quorum 3" in failure
+    assert all("share_keys" not in s.sent for s in silos)
+    hub.stop()
+    runner.join(10)
+    assert stopped == [True]
+
+
 def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
     section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=0.5, clip_norm=200.0))
     hub = make(tmp_path, section, quorum=1.0)
