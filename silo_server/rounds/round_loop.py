@@ -505,7 +505,7 @@ class RoundLoop:
             with self.cond:
                 if task.broadcast is not None:
                     task.broadcast.closed = True
-                contributed = contributors(task, private)
+                contributed = contributors(task, private, decision)
                 self.records.credit(contributed)  # once per applied round, not per attempt or message
                 record = with_silos(record, task, contributed)
         self.records.history.append(record)
@@ -537,13 +537,15 @@ class RoundLoop:
             sink.close()
 
 
-def contributors(task: ActiveTask, private: PrivateSums | None) -> set[str]:
+def contributors(task: ActiveTask, private: PrivateSums | None,
+                 decision: AggregationRound | None = None) -> set[str]:
     """The silos whose updates the applied round holds: under secure aggregation the survivors whose masked inputs
     the sum holds (a silo that advertised keys and then vanished is not one); else those that reported an update,
-    not a skip, and stayed."""
+    not a skip, and stayed, less any a robust aggregation rule left out of the sum (Krum's unselected, say)."""
     if private is not None and private.secagg is not None:
         return set(private.contributors)
-    return task.reported - task.gone - task.skipped
+    excluded = set(decision.excluded_silos) if decision is not None else set()
+    return task.reported - task.gone - task.skipped - excluded
 
 
 def with_silos(record: RoundRecord, task: ActiveTask, contributed: set[str]) -> RoundRecord:

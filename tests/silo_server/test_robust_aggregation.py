@@ -128,6 +128,10 @@ def test_the_hub_applies_the_honest_median_keeps_updates_out_of_ram_and_deletes_
     record = hub.records.history[-1]
     assert record.aggregation is not None and record.aggregation.rule == "median"
     assert "evil" in record.aggregation.excluded_silos
+    # A silo the rule left out of the applied sum is not credited with the round (card, gauge, record).
+    excluded = set(record.aggregation.excluded_silos)
+    assert record.silos_contributed == len(silos) - len(excluded) and record.silos_reported == len(silos)
+    assert set(hub.records.contributed) == set(silos) - excluded
     assert records_from_json([record.to_json()]) == [record]
     assert seen == [record]
     scrape = metrics.registry.get_sample_value
