@@ -23,6 +23,10 @@ log = logging.getLogger("silo_server")
 
 Scorer = Callable[[HubState], dict[str, float]]
 
+# The breaker search as of the round's last failed attempt: a checkpoint is written only when a round is applied,
+# so without this file a hub restarted in the middle of a search would start it over from the cohort that failed.
+HUNT_FILE = "breaker_hunt.json"
+
 
 class RunRecords:
     def __init__(self, state_dir: Path, *, evaluate: Scorer | None = None, validate: Scorer | None = None,
@@ -93,9 +97,30 @@ class RunRecords:
         if self.privacy is not None:
             self.privacy.load_state_dict(info.get("privacy"))
         if self.hunt is not None:
-            self.hunt.restore(info.get("breaker_hunt") or {})
+            self.hunt.restore(self._hunt_after(state.round) or info.get("breaker_hunt") or {})
         log.info("resumed from checkpoint after round %d", state.round)
         return state, declared
+
+    def save_hunt(self, round_number: int) -> None:
+        """After a failed attempt of `round_number`: keep the breaker search as it now stands."""
+        if self.hunt is not None:
+            write_json_atomic(self.state_dir / HUNT_FILE,
+                              {"run_id": self.run_id, "round": round_number, "breaker_hunt": self.hunt.to_json()})
+
+    def _hunt_after(self, checkpoint_round: int) -> dict[str, Any] | None:
+        """The search saved by a failed attempt of the round after the checkpoint, if any (older ones are in the
+        checkpoint already)."""
+        try:
+            saved = json.loads((self.state_dir / HUNT_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            log.warning("cannot read %s (%s): the breaker search goes on from the checkpoint's", HUNT_FILE, err)
+            return None
+        if not isinstance(saved, dict) or saved.get("run_id") != self.run_id or saved.get("round") != checkpoint_round + 1:
+            return None
+        hunt = saved.get("breaker_hunt")
+        return hunt if isinstance(hunt, dict) else None
 
     def _with_checkpoint_times(self, history: list[RoundRecord]) -> list[RoundRecord]:
         """A checkpoint cannot hold its own write time; history.json, written just after it, has it. Only that

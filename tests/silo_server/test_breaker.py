@@ -71,6 +71,12 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate") == 1
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "securely aggregated sum of 5 silos was refused" in failure and words in failure, failure
+    # The search this failure began outlives a restart before the round is applied (no checkpoint since round 0):
+    # a restarted hub does not draw the cohort that already failed as if nothing were known.
+    assert hub.rounds.hunt.suspects == {f"s{i}" for i in range(5)} and hub.rounds.hunt.failed_attempts == 1
+    again = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)
+    assert again.rounds.resume_or_init().round == 0
+    assert again.rounds.hunt.to_json() == hub.rounds.hunt.to_json()
 
 
 def _run_quietly(hub, state):
