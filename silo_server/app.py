@@ -255,6 +255,21 @@ class HubApp:
         log.info("round %d is the best so far on the validation split (%.2f%%): %s updated", self.best.round,
                  100 * self.best.accuracy, BEST_MODEL)
 
+    def load_checkpoint(self) -> HubState | None:
+        """Load and verify the latest checkpoint (None without one), and finish what a hub killed between a round's
+        checkpoint and its best-model write left undone: the checkpoint holds that round's model, so it is written
+        now, and best_model.safetensors, the model card and the best-round gauge agree again."""
+        state = self.hub.rounds.load_state()
+        if state is None or self.validation is None:
+            return state
+        recorded = BestRound.from_history(self.hub.records.history, self.hub.records.initial)
+        if recorded.found and recorded.round == state.round and recorded != self.best:
+            self.best = recorded
+            save_best_model(self.config.run.state_dir, self.algorithm.served_model(state), self.hub.run_id, recorded)
+            log.warning("round %d was the best on the validation split (%.2f%%) but the hub stopped before keeping its "
+                        "model; %s now holds it", recorded.round, 100 * recorded.accuracy, BEST_MODEL)
+        return state
+
     # -------------------------------------------------------------- serving
     def start_server(self) -> int:
         s = self.config.server
@@ -394,7 +409,7 @@ class HubApp:
         # line before any silo is served from it. A fresh run's initial training still comes after (in hub.run),
         # while the silos load their images.
         if self.hub.rounds.state is None:
-            self.hub.rounds.load_state()
+            self.load_checkpoint()
         self.audit.append("run_start", run=self.hub.run_id, config_sha256=config_sha256(self.config),
                           terms_sha256=terms_sha256(self.hub.terms), protocol_version=PROTOCOL_VERSION,
                           resumed_after_round=self.hub.rounds.state.round if self.hub.rounds.state is not None else 0)

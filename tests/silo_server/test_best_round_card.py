@@ -80,3 +80,22 @@ def test_a_hub_whose_run_fails_shows_phase_failed_to_a_last_scrape(tmp_path) -> 
         app.run()
     text = generate_latest(app.metrics.registry).decode()
     assert 'silokit_hub_phase{phase="failed"} 1.0' in text and 'silokit_hub_phase{phase="training"} 0.0' in text
+
+
+def test_a_hub_killed_between_a_checkpoint_and_its_best_model_write_keeps_that_model_on_restart(tmp_path) -> None:
+    # The checkpoint of the best round so far is written, then the hub dies before best_model.safetensors is
+    # (after_save never runs): the restarted hub writes that round's model from the checkpoint, so the file, the
+    # card and the best-round gauge (BestRound.from_history) name the same round.
+    config = parse_config(CONFIG, base=tmp_path)
+    app = HubApp(config, insecure_dev_only=True)
+    app.hub.records.after_save = None  # killed just after the checkpoint
+    state = app.hub.rounds.resume_or_init()
+    assert state.round == 0 and not (tmp_path / "state" / "best_model.safetensors").exists()
+    initial = app.hub.records.initial.validation_accuracy
+    again = HubApp(config, insecure_dev_only=True)
+    assert not again.best.found
+    assert again.load_checkpoint().round == 0
+    kept = load_best_round(tmp_path / "state", again.hub.run_id)
+    assert (kept.round, kept.accuracy) == (0, initial) == (again.best.round, again.best.accuracy)
+    card = again.best_round_card()
+    assert card is not None and (card["round"], card["validation_accuracy"]) == (0, initial)
