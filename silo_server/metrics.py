@@ -17,8 +17,8 @@ in use, or at the algorithm's static value):
     scores.validation_accuracy               silokit_hub_validation_accuracy_ratio, silokit_hub_best_round,
                                              silokit_hub_best_validation_accuracy_ratio
     pseudo_label_ratio, pseudo_label_accuracy  silokit_hub_pseudo_label_ratio, ..._pseudo_label_accuracy_ratio
-    silo_train_loss                          silokit_hub_silo_train_loss (mean over reporting silos)
-    silo_train_seconds                       silokit_hub_silo_train_seconds (mean over reporting silos)
+    silo_train_loss                          silokit_hub_silo_train_loss (mean over the silos that sent it)
+    silo_train_seconds                       silokit_hub_silo_train_seconds (mean over the silos that sent it)
     class_thresholds                         silokit_hub_class_threshold{class="<k>"}
     dp.epsilon, dp.epsilon_budget, dp.delta  silokit_hub_dp_epsilon_spent, ..._budget, ..._delta
     secagg.stage_seconds                     silokit_hub_secagg_stage_duration_seconds{stage="<stage>"}

@@ -15,6 +15,7 @@ class RunningSum:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.metrics: dict[str, float] = {}
+        self.metric_counts: dict[str, int] = {}  # how many results carried each metric (a branch may send none)
         self.contributors = 0
 
     def add(self, tensors: Mapping[str, torch.Tensor], metrics: Mapping[str, float]) -> None:
@@ -31,8 +32,15 @@ class RunningSum:
         """A result whose tensors are kept elsewhere (a robust rule's update file): only its metrics are summed."""
         for key, value in metrics.items():
             self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+            self.metric_counts[key] = self.metric_counts.get(key, 0) + 1
         if contributed:
             self.contributors += 1
+
+    def mean(self, key: str) -> float | None:
+        """A metric's mean over the results that carried it; None when none did (a branch whose policy keeps its
+        clear metrics sends none, and must not pull the mean towards zero)."""
+        count = self.metric_counts.get(key, 0)
+        return self.metrics[key] / count if count else None
 
     def result(self) -> dict[str, torch.Tensor]:
         """The sums, still in float64: the algorithm divides them by the summed weight, and a float32 sum would let

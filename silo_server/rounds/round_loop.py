@@ -562,12 +562,10 @@ def with_silos(record: RoundRecord, task: ActiveTask, contributed: set[str]) -> 
         bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),
         silos_received=len(task.broadcast.received) if task.broadcast else None,
         bytes_down_received=task.broadcast.bytes_down if task.broadcast else None,
-        silo_train_loss=sums.metrics["train_loss"] / sums.contributors
-        if reporters and "train_loss" in sums.metrics and sums.contributors else None,
+        silo_train_loss=sums.mean("train_loss") if reporters else None,
         # Where a round's time goes: the silos' own computation (skipping silos report it too), against the
-        # round's wall time.
-        silo_train_seconds=sums.metrics["train_seconds"] / reporters
-        if reporters and "train_seconds" in sums.metrics else None,
+        # round's wall time. Both are means over the silos that sent them.
+        silo_train_seconds=sums.mean("train_seconds") if reporters else None,
         # What the hub held beyond its steady state while silos downloaded and uploaded (target: flat in the
         # number of silos); hub_peak_rss_bytes also counts start-up, evaluation and fine-tuning.
         collecting_rss_growth_bytes=task.rss_peak_collecting - task.rss_at_open

@@ -179,6 +179,22 @@ def test_a_silo_that_skips_counts_for_quorum_but_not_for_the_sum(tmp_path):
     assert hub.records.history[-1].silo_train_seconds == pytest.approx(2.0)
 
 
+def test_the_silos_mean_time_and_loss_leave_out_branches_that_keep_their_clear_metrics(tmp_path):
+    # A branch whose policy says clear_metrics: false uploads its update with no metrics: it is in the sum, but
+    # it must not pull the mean training time or loss towards zero.
+    hub = make_hub(tmp_path, min_silos=3)
+    for s in ("a", "b", "c"):
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    upload(hub, "a", wait_task(hub, "a"), result(1.0), metrics={"train_seconds": 100.0, "train_loss": 0.8})
+    upload(hub, "b", wait_task(hub, "b"), result(2.0), metrics={"train_seconds": 140.0, "train_loss": 0.6})
+    upload(hub, "c", wait_task(hub, "c"), result(3.0), metrics={"n": 1.0})  # nothing in the clear but a count
+    thread.join(10)
+    record = hub.records.history[-1]
+    assert record.silos_contributed == 3
+    assert record.silo_train_seconds == pytest.approx(120.0) and record.silo_train_loss == pytest.approx(0.7)
+
+
 def test_restart_resumes_after_the_last_checkpoint_with_the_same_run(tmp_path):
     hub = make_hub(tmp_path)
     for s in ("a", "b"):
