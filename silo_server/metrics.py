@@ -67,13 +67,19 @@ REFUSAL_REASONS = (
     # security/gate.py and security/validation.py
     "not_allowed", "not_silo_certificate", "revoked", "expired", "bad_request", "bad_header", "bad_stream",
     "bad_checksum", "bad_tensors", "bad_weight", "non_finite", "update_norm", "oversized", "old_protocol",
-    # silo_server/wire/servicer.py CallLimits
-    "too_many_calls", "call_rate",
+    "bad_aggregate",
+    # silo_server/wire/intake.py, silo_server/rounds/privacy.py and the registry
+    "clip_norm", "bad_secagg", "second_certificate",
+    # silo_server/wire/servicer.py: CallLimits, and an upload stream that stopped sending
+    "too_many_calls", "call_rate", "stream_idle",
 )
-# The refusals of an upload that failed validation (servicer.py's header, security/validation.py's checks): the
-# reasons ops/prometheus/alerts.yml's SilokitUpdatesRefused watches.
+# The refusals of an upload that failed validation (servicer.py's header, security/validation.py's checks, the
+# round's privacy: a clear result in a secure round, an update over the central-DP clip norm, a malformed
+# secure-aggregation message or a secure sum that fails its check): the reasons ops/prometheus/alerts.yml's
+# SilokitUpdatesRefused watches.
 MALFORMED_UPDATE_REASONS = ("no_header", "bad_header", "bad_stream", "oversized", "bad_checksum", "bad_payload",
-                            "bad_tensors", "non_finite", "bad_weight", "update_norm", "bad_metrics")
+                            "bad_tensors", "non_finite", "bad_weight", "update_norm", "bad_metrics", "clip_norm",
+                            "bad_secagg", "bad_aggregate")
 CALL_METHODS = ("Join", "NextTask", "Download", "Upload", "Leave", "Health")
 # A silo's typed refusals (Leave), by kind and the clause it names (security.terms.CLAUSES, or "other"): a bounded
 # set, exported at zero from the start.

@@ -270,14 +270,16 @@ class HubPrivacy:
     def check_clear_upload(rp: RoundPrivacy, tensors: dict[str, torch.Tensor]) -> None:
         """A result sent in the clear: refused when the round is securely aggregated (the silo should have kept
         it), and with central DP its clipped part must be within the round's clip norm (the sensitivity the
-        accountant is charged for is enforced, not assumed)."""
+        accountant is charged for is enforced, not assumed). validation.Invalid names which (reasons bad_secagg and
+        clip_norm, counted and alerted on as malformed updates)."""
         if rp.session is not None:
-            raise ProtocolError("this round is securely aggregated: results are never accepted in the clear")
+            raise validation.Invalid("FAILED_PRECONDITION", "bad_secagg",
+                                     "this round is securely aggregated: results are never accepted in the clear")
         if rp.instructions is not None:
             norm = update_norm(tensors, rp.instructions.clip_tensors)
             if norm > rp.instructions.clip_norm * (1 + 1e-4) + 1e-12:
-                raise ProtocolError(f"update norm {norm:.6g} exceeds the round's clip norm "
-                                    f"{rp.instructions.clip_norm:.6g}")
+                raise validation.Invalid("FAILED_PRECONDITION", "clip_norm", f"update norm {norm:.6g} exceeds the "
+                                         f"round's clip norm {rp.instructions.clip_norm:.6g}")
 
     @staticmethod
     def stage_bytes(rp: RoundPrivacy, stage: str) -> int:
@@ -380,7 +382,8 @@ class HubPrivacy:
             validation.check_aggregate({k: v for k, v in summed.items() if k != UNCLIPPED}, n, unit_weight=unit,
                                        max_weight_sum=max_weight_sum, max_update_norm=bound, tolerance=tolerance)
         except validation.Invalid as err:
-            hooks.refuse(f"the sum of {n} silos", err.code, err.reason, err.message)
+            # Counted without a silo label: no one silo is known to have sent it (the breaker search looks).
+            hooks.refuse(None, err.code, err.reason, f"the securely aggregated sum of {n} silos: {err.message}")
             raise SumRefused(f"the securely aggregated sum of {n} silos was refused: {err.message}",
                              contributors) from None
 

@@ -178,10 +178,7 @@ class TaskIntake:
                                 "declared images, security.max_weight_factor)", t.round, silo_id, factor, share_cap,
                                 self.rounds.settings.max_weight_factor)
             if t.privacy is not None:
-                try:
-                    HubPrivacy.check_clear_upload(t.privacy, tensors)
-                except ProtocolError as err:
-                    raise validation.Invalid("FAILED_PRECONDITION", "privacy", str(err)) from None
+                HubPrivacy.check_clear_upload(t.privacy, tensors)
             return tensors
 
         # The announced size is checked before any room is reserved for it: a silo cannot hold more of the budget

@@ -69,6 +69,8 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     hub.stop()
     runner.join(10)
     assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate") == 1
+    # No one silo is known to have sent it: the per-silo refusal counter gets no label that is not a silo.
+    assert all(silo in hub.registry.silos for silo, _ in hub.registry.refusals_by_silo)
     failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "securely aggregated sum of 5 silos was refused" in failure and words in failure, failure
     # The search this failure began outlives a restart before the round is applied (no checkpoint since round 0):
