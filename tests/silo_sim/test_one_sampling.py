@@ -107,7 +107,9 @@ def test_in_process_rounds_are_the_hub_round_loop_robust_rule_weight_cap_and_rec
     decision = history[0].aggregation
     assert decision is not None and decision.rule == "median" and decision.updates == 5
     assert "e" in decision.excluded_silos
-    assert history[0].silos_sampled == history[0].silos_contributed == 5
+    assert history[0].silos_sampled == history[0].silos_reported == 5
+    # Only the silos whose updates the median's sum holds are credited (here the one holding every median value)
+    assert history[0].silos_contributed == 5 - len(decision.excluded_silos)
     saved = json.loads((tmp_path / "median" / "history.json").read_text())  # the hub's own records
     assert records_from_json(saved["rounds"]) == history
     assert not (tmp_path / "median" / "round-updates").exists() or not any((tmp_path / "median" / "round-updates").iterdir())
