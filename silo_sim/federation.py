@@ -14,7 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,6 +22,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
 from silo_sim.launcher import Forked, Launcher
 from silo_sim.report import console
+
+if TYPE_CHECKING:
+    from silo_sim.ray_engine import HostedShare
 
 
 def terminate(procs: list[subprocess.Popen | Forked], grace: float = 10.0) -> None:
@@ -231,6 +234,7 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                     progress.update(bar, completed=last.round, description=(
                         f"round {last.round}: test acc {nan_if_none(last.scores.test_accuracy):.3f}, "
                         f"pseudo-labels {last.pseudo_label_ratio or 0:.0%}"))
+                hosts = ray_hosts.shares if ray_hosts is not None else launched.workers
                 if ray_hosts is not None:  # a dead actor is reported and, while rounds are left, replaced
                     replaced = ray_hosts.check(rounds_left=len(history) < rounds)
                     for line in replaced:
@@ -241,8 +245,8 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                         if not targets_stale:
                             write_prometheus_targets(args.prometheus_targets, _wait_for_metrics_ports(
                                 staged, metrics_files, procs, logs))
-                elif launched.workers:
-                    stalled = silos_stopped(staged, launched.workers, logs, lambda: hub_phase(metrics_ports["hub"]))
+                if hosts:
+                    stalled = silos_stopped(staged, hosts, logs, lambda: hub_phase(metrics_ports["hub"]))
                     if stalled:
                         raise RuntimeError(stalled)
                 time.sleep(0.5)
@@ -265,17 +269,19 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
             ray_hosts.close()
 
 
-def silos_stopped(staged, workers: list[subprocess.Popen | Forked], logs: Path,
+def silos_stopped(staged, workers: list[subprocess.Popen | Forked | HostedShare], logs: Path,
                   phase: Callable[[], str | None]) -> str | None:
     """Why the run cannot go on, or None: the silos that stopped before its end (a policy that refused the run, a
-    crash, a worker process gone) leave fewer than the hub's rounds.min_silos, and the hub (`phase`: its current
-    phase) waits for silos before its next round, which it would do forever. A round already under way goes on:
-    it closes at its quorum."""
+    crash, a worker process or Ray actor gone) leave fewer than the hub's rounds.min_silos, and the hub (`phase`:
+    its current phase) waits for silos before its next round, which it would do forever. A round already under way
+    goes on: it closes at its quorum."""
     hosts = len(workers)
     gone: dict[str, str] = {}
     for w, proc in enumerate(workers):
         path = staged.root / f"worker-{w}.ended.json"
         ends = json.loads(path.read_text()) if path.is_file() else {}
+        for name, code in (getattr(proc, "results", None) or {}).items():  # a Ray actor's run returned
+            ends.setdefault(name, {"code": code, "why": f"exited with code {code}"})
         gone.update({name: end["why"] for name, end in ends.items() if end["code"] != 0})
         if proc.poll() not in (None, 0):  # the whole host: each silo it hosted whose end it had not written
             for s in staged.silos[w::hosts]:

@@ -68,7 +68,10 @@ def unpack_share(spec: dict[str, Any], archive: bytes, into: Path) -> dict[str, 
         base = into / silo["name"]
         silos.append({**silo, **{key: str(base / key) for key in SILO_FILES if silo.get(key)},
                       "state_dir": str(base / "state")})
-    return {**spec, "silos": silos, "metrics_port_file": str(into / "metrics_port")}
+    # The silos' ends go beside them: the sim machine's folder may not exist on this node (silo-sim learns of
+    # them from the actor's results instead).
+    return {**spec, "silos": silos, "metrics_port_file": str(into / "metrics_port"),
+            "ended_file": str(into / "ended.json")}
 
 
 SHARE_PREFIX = "silo-sim-share-"  # + <run token>-<actor pid>-<random>: an actor's unpacked silo files
@@ -244,6 +247,13 @@ class HostedShare:
     @property
     def silo_names(self) -> list[str]:
         return [s["name"] for s in self.spec["silos"]]
+
+    def poll(self) -> int | None:
+        """As a worker process's poll() (silo_sim/federation.py silos_stopped): None while it hosts its silos,
+        0 once its run returned (`results` then holds each silo's code), 1 once it died with no replacement."""
+        if self.dead:
+            return 1
+        return None if self.results is None else 0
 
 
 @dataclass

@@ -4,12 +4,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from silo_sim.cli import build_parser
-from silo_sim.federation import host_threads
-from silo_sim.ray_engine import actor_count, check_engine_args, pack_share, unpack_share
+from silo_sim.federation import host_threads, silos_stopped
+from silo_sim.ray_engine import HostedShare, actor_count, check_engine_args, pack_share, unpack_share
 
 
 def test_actors_fill_the_cluster_at_one_silos_request_capped_at_the_silos():
@@ -78,6 +79,7 @@ def test_shipped_silo_files_unpack_elsewhere_with_the_same_bytes_and_fresh_state
     node = tmp_path / "node"
     unpacked = unpack_share(spec, pack_share(spec), node)
     assert unpacked["hub"] == spec["hub"] and unpacked["metrics_port_file"] == str(node / "metrics_port")
+    assert unpacked["ended_file"] == str(node / "ended.json")  # the sim's own folder may not exist on the node
     for before, after in zip(spec["silos"], unpacked["silos"], strict=True):
         assert after["name"] == before["name"] and after["labeled"] is None
         for key in ("certs", "data", "labels"):
@@ -126,3 +128,27 @@ def test_prometheus_targets_wait_for_each_actors_node_address_not_its_bare_port(
     ports = _wait_for_metrics_ports(staged, [port_file], [None], tmp_path, timeout=10, check=check,
                                     pending=lambda: ":" not in port_file.read_text())
     assert ports["workers"] == ["10.0.0.5:4321"] and len(calls) == 3
+
+
+def test_silos_whose_ray_actor_returned_or_died_count_as_stopped(tmp_path):
+    # Under --engine ray the sim watched only for dead actors: a silo that left by its policy (or an actor out of
+    # restarts) left the hub waiting for rounds.min_silos forever, where the worker engine stops and says why.
+    (tmp_path / "hub.yaml").write_text("rounds: {min_silos: 3}\n")
+    staged = SimpleNamespace(root=tmp_path, hub_config=tmp_path / "hub.yaml",
+                             silos=[SimpleNamespace(name=f"silo-00{i}") for i in (1, 2, 3)])
+
+    def share(index, names, **kw):  # staged.silos[w::hosts], as silo-sim deals them
+        return HostedShare(index, {"silos": [{"name": n} for n in names]}, **kw)
+
+    running = [share(0, ["silo-001", "silo-003"]), share(1, ["silo-002"])]
+    assert [s.poll() for s in running] == [None, None]
+    assert silos_stopped(staged, running, tmp_path, lambda: "waiting_for_silos") is None
+    returned = [share(0, ["silo-001", "silo-003"], results={"silo-001": 0, "silo-003": 3}), running[1]]
+    said = silos_stopped(staged, returned, tmp_path, lambda: "waiting_for_silos")
+    assert said is not None and "1 of 3 silos stopped" in said and "silo-003 exited with code 3" in said
+    assert "--hub-set rounds.min_silos=2" in said
+    assert silos_stopped(staged, returned, tmp_path, lambda: "training") is None  # a round under way goes on
+    dead = [running[0], share(1, ["silo-002"], dead=True)]
+    assert dead[1].poll() == 1
+    said = silos_stopped(staged, dead, tmp_path, lambda: "waiting_for_silos")
+    assert said is not None and "silo-002 its host worker-1 exited with code 1" in said
