@@ -165,9 +165,14 @@ def export_model(trained: TrainedModel, fmt: str, path: Path, opset: int = DEFAU
         "input": {
             "name": "images", "dtype": "float32", "layout": "NCHW", "shape": ["batch", c, size, size],
             "range": [0.0, 1.0], "channels": "grayscale" if c == 1 else "RGB",
-            "preprocess": f"decode, convert to {'grayscale (L)' if c == 1 else 'RGB'}, resize to {size}x{size} "
-                          "(bilinear, no crop), divide the 8-bit pixels by 255; the normalisation below is done "
-                          "inside the model",
+            # What silo-predict and training do (silo_core/data/decoding.py decode_file), step by step: a reader
+            # who opens a phone photo or a 16-bit scan with plain PIL would otherwise feed the model other pixels.
+            "preprocess": f"decode, turned upright by the EXIF orientation tag; 16-bit images divided by 257 and "
+                          "float images times 255 to 8 bits; DICOM files through their VOI LUT or window, "
+                          f"MONOCHROME1 inverted; convert to {'grayscale (L)' if c == 1 else 'RGB'}, resize to "
+                          f"{size}x{size} (bilinear, no crop), divide the 8-bit pixels by 255; the normalisation "
+                          "below is done inside the model. silo_core.data.decoding.decode_file(path, "
+                          f"{size}, {c}) / 255 does all of it",
         },
         "normalization": {"mean": s.mean, "std": s.std, "inside_model": True,
                           "formula": "(images - mean) / std, per channel"},

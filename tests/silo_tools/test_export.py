@@ -13,6 +13,7 @@ import torch
 import silo_tools.export as export
 from silo_core.augment import to_float
 from silo_core.data import load_image_file
+from silo_core.data.decoding import decode_file
 from silo_tools.export import main
 from tests.silo_tools.state import CLASSES, sha256, tiny_spec, write_images, write_state
 
@@ -48,6 +49,12 @@ def test_export_matches_pytorch_on_images_in_0_1(tmp_path, fmt, channels):
     assert info["model_format"] == fmt and info["file"] == out.name and info["sha256"] == sha256(out)
     assert info["classes"] == CLASSES
     assert info["input"]["shape"] == ["batch", channels, 16, 16] and info["input"]["range"] == [0.0, 1.0]
+    # The sidecar's recipe is the decoding silo-predict and training use, EXIF orientation and DICOM included,
+    # and the function it names, fed as it says, gives the model the same pixels.
+    recipe = info["input"]["preprocess"]
+    assert "EXIF orientation" in recipe and "DICOM" in recipe and f"decode_file(path, 16, {channels}) / 255" in recipe
+    named = torch.stack([torch.from_numpy(decode_file(p, 16, channels)) for p in paths]).float() / 255
+    assert torch.equal(run_exported(fmt, out, named), got)
     assert info["normalization"] == {"mean": spec.mean, "std": spec.std, "inside_model": True,
                                      "formula": "(images - mean) / std, per channel"}
     assert info["source"]["weights_file"] == "best_model.safetensors" and info["source"]["round"] == 3
