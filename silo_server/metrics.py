@@ -54,6 +54,7 @@ from silo_core.metrics_http import MetricsServer, serve_metrics
 from silo_core.rounds import RoundRecord, nan_if_none
 from silo_core.selection import BestRound
 from silo_server.hub import PHASES, Hub
+from silo_server.rounds.sinks import FailedAttempt
 
 log = logging.getLogger("silo_server")
 
@@ -137,10 +138,12 @@ class HubMetrics:
         for decision in ("excluded", "down_weighted"):
             self.aggregation_silos.labels(decision)
         self.dropouts = Counter(
-            "silokit_hub_silo_dropouts", "Sampled silos that did not report before a round closed.", registry=r)
+            "silokit_hub_silo_dropouts", "Sampled silos that did not report before a round attempt closed (applied "
+            "or failed).", registry=r)
         self.left_out = Counter(
-            "silokit_hub_silo_left_out", "Rounds a silo was sampled for and left out of: it had not reported when the "
-            "round closed (at its deadline, or rounds.wait_after_quorum_s after its quorum).", ["silo"], registry=r)
+            "silokit_hub_silo_left_out", "Round attempts a silo was sampled for and left out of: it had not reported "
+            "when the attempt closed (at its deadline, or rounds.wait_after_quorum_s after its quorum; a failed "
+            "attempt counts too).", ["silo"], registry=r)
         self.progress = Gauge(
             "silokit_hub_last_progress_timestamp_seconds",
             "Unix time the hub last made progress (started, or completed a round).", registry=r)
@@ -152,6 +155,11 @@ class HubMetrics:
     # ------------------------------------------------------------------ events
     def round_done(self, record: RoundRecord) -> None:  # RoundSink
         self.on_round(record)
+
+    def attempt_failed(self, failed: FailedAttempt) -> None:  # RoundSink: a retried attempt closed without them too
+        self.dropouts.inc(len(failed.left_out))
+        for silo in failed.left_out:
+            self.left_out.labels(silo).inc()
 
     def on_round(self, record: RoundRecord) -> None:
         now = time.time()

@@ -32,7 +32,7 @@ from silo_server.rounds.privacy import (
     SumRefused,
 )
 from silo_server.rounds.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
-from silo_server.rounds.sinks import CallbackSink, HistoryFile, RoundSink
+from silo_server.rounds.sinks import CallbackSink, FailedAttempt, HistoryFile, RoundSink
 from silo_server.settings import RoundSettings, wire_specs
 from silo_server.state.registry import SiloRegistry
 from silo_server.state.scoring import RunRecords, short
@@ -459,17 +459,21 @@ class RoundLoop:
                         decision.down_weighted, ", ".join(decision.down_weighted_silos), decision.updates)
         return sums, decision
 
-    def _mark_dropped(self, task: ActiveTask) -> None:
-        """Sampled silos that did not report are not sampled again until they poll again."""
+    def _mark_dropped(self, task: ActiveTask) -> set[str]:
+        """Sampled silos that did not report are not sampled again until they poll again; returns them."""
         with self.cond:
             left = task.sampled - (task.reported - task.gone)
             if task.privacy is not None:
                 left |= HubPrivacy.dropouts(task.privacy)  # reported their keys, then fell silent
             self.registry.mark_dropped(left)
+        return left
 
     def _round_failed(self, task: ActiveTask, reason: str) -> None:
         """Silos failing a round never stop the hub: it logs why, counts it and retries after a growing pause."""
-        self._mark_dropped(task)
+        left = self._mark_dropped(task)
+        failed = FailedAttempt(task.round, task.attempt, reason, tuple(sorted(left)))
+        for sink in self.sinks:  # Prometheus counts the silos it waited for in vain (the below-quorum alert's cause)
+            sink.attempt_failed(failed)
         with self.cond:
             self.task = None
             self.failed_attempts += 1

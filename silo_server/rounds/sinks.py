@@ -2,6 +2,7 @@
 
     class RoundSink(Protocol):
         def round_done(self, record: RoundRecord) -> None   # once the round's checkpoint is written
+        def attempt_failed(self, failed: FailedAttempt) -> None  # an attempt that will be retried (below quorum, ...)
         def close(self) -> None                              # the run is over (or the hub stops)
 
 The round loop (silo_server/rounds/round_loop.py, RoundLoop.sinks) hands each record to its sinks in order:
@@ -11,13 +12,14 @@ The round loop (silo_server/rounds/round_loop.py, RoundLoop.sinks) hands each re
     TensorBoardSink run.tensorboard: the curves where ML users look for them (torch's own SummaryWriter)
     CallbackSink    the caller's own function (Hub(on_round=...), the in-process benchmarks)
 
-A new consumer is one class with these two methods, appended to RoundLoop.sinks.
+A new consumer is one class with these three methods, appended to RoundLoop.sinks.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,8 +28,21 @@ from silo_core.rounds import RoundRecord, Scores
 log = logging.getLogger("silo_server")
 
 
+@dataclass(frozen=True)
+class FailedAttempt:
+    """A round attempt that failed and will be retried: which, why, and the sampled silos that had not reported
+    (or left the secure-aggregation protocol) when it closed."""
+
+    round: int
+    attempt: int
+    reason: str
+    left_out: tuple[str, ...]
+
+
 class RoundSink(Protocol):
     def round_done(self, record: RoundRecord) -> None: ...
+
+    def attempt_failed(self, failed: FailedAttempt) -> None: ...
 
     def close(self) -> None: ...
 
@@ -41,6 +56,9 @@ class HistoryFile:
     def round_done(self, record: RoundRecord) -> None:
         self.records.write_history()
 
+    def attempt_failed(self, failed: FailedAttempt) -> None:
+        pass  # a failed attempt changes no record
+
     def close(self) -> None:
         pass
 
@@ -53,6 +71,9 @@ class CallbackSink:
 
     def round_done(self, record: RoundRecord) -> None:
         self.callback(record)
+
+    def attempt_failed(self, failed: FailedAttempt) -> None:
+        pass  # a failed attempt changes no record
 
     def close(self) -> None:
         pass
@@ -106,6 +127,9 @@ class TensorBoardSink:
         for name, value in sorted(record.algorithm.items()):
             self.writer.add_scalar(f"algorithm/{name}", float(value), record.round)
         self.writer.flush()
+
+    def attempt_failed(self, failed: FailedAttempt) -> None:
+        pass  # a failed attempt changes no record
 
     def close(self) -> None:
         self.writer.close()

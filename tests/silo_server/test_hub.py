@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
@@ -16,6 +17,7 @@ from silo_core.models import ModelSpec
 from silo_core.rounds import RoundRecord, Scores, records_from_json
 from silo_core.tensors import TensorSpec, encode, iter_chunks, sha256_hex
 from silo_server.hub import Refusal
+from silo_server.metrics import HubMetrics
 from silo_server.state.checkpoint import CheckpointError, load_latest
 from tests.silo_server.hubs import build_hub
 
@@ -145,6 +147,7 @@ def test_bad_uploads_are_refused_and_change_nothing(tmp_path):
 
 def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying(tmp_path):
     hub = make_hub(tmp_path, deadline_s=1.0, quorum=1.0)
+    scrape = HubMetrics(hub, registry=CollectorRegistry()).registry.get_sample_value
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, out = start_round(hub)
@@ -154,6 +157,10 @@ def test_below_quorum_at_the_deadline_retries_the_round_instead_of_half_applying
     # b dropped out of attempt 1: it is not sampled again until it asks for work again
     assert hub.next_task("a", hub.run_id, wait_s=1.0).kind == "WAIT"
     assert hub.registry.counters["rounds_failed"] == 1 and hub.registry.counters["below_quorum"] == 1
+    # Prometheus names the silo the failed attempt waited for (what the below-quorum alert asks to look for)
+    assert scrape("silokit_hub_silo_dropouts_total") == 1
+    assert scrape("silokit_hub_silo_left_out_total", {"silo": "b"}) == 1
+    assert scrape("silokit_hub_silo_left_out_total", {"silo": "a"}) is None
     second_b, second_a = wait_task(hub, "b"), wait_task(hub, "a")
     assert second_a.task_id != first.task_id
     upload(hub, "a", second_a, result(1.0))

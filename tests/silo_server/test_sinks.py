@@ -42,6 +42,9 @@ def test_every_sink_gets_each_round_in_order_and_tensorboard_holds_the_records_n
             history = json.loads((tmp_path / "state" / "history.json").read_text())["rounds"]
             seen.append(("recording", record.round, len(history)))  # history.json is written before
 
+        def attempt_failed(self, failed):
+            seen.append(("failed", failed.round))
+
         def close(self):
             seen.append(("closed",))
 
