@@ -116,12 +116,17 @@ def read_run_weights(directory: Path | str, spec: ModelSpec) -> dict[str, torch.
     card_path = directory / RUN_CARD
     if card_path.is_file():
         try:
-            card = json.loads(card_path.read_text())["model"]
+            whole = json.loads(card_path.read_text())
+            card = whole["model"]
             theirs = {key: card.get(key) for key in ("name", "factory", "in_channels", "num_classes")}
             # Group and batch norm hold tensors of the same shapes: only the card tells them apart.
             theirs["options.norm"] = str((card.get("options") or {}).get("norm", "batch"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{card_path} is not a silokit model card ({type(err).__name__}: {err})") from None
+        if whole.get("algorithm") == "hassle":  # its file holds S, U and their residuals under their own prefixes
+            raise ValueError(f"model.init_from_run: the run in {directory} is a HASSLE run, whose {RUN_WEIGHTS} holds "
+                             "a dual ensemble of four networks, not one network to start from: start from a "
+                             "SemiFL, FedSEAL or server-only run, or from a weights file with model.init_weights")
         ours = {"name": spec.name, "factory": spec.factory, "in_channels": spec.in_channels,
                 "num_classes": spec.num_classes, "options.norm": spec.norm}
         wrong = [key for key in ours if theirs[key] != ours[key]]

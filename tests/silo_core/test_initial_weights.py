@@ -132,6 +132,11 @@ def test_init_from_run_reads_an_earlier_runs_model_and_checks_its_card(tmp_path)
     (tmp_path / "model_card.json").write_text(json.dumps(card))
     with pytest.raises(ValueError, match="options.norm 'group' there, 'batch' here"):
         read_run_weights(tmp_path, spec)
+    # A HASSLE run serves four networks under their own prefixes: said as such, not as "no tensor name matches"
+    card["model"]["options"] = {"width": 4}
+    (tmp_path / "model_card.json").write_text(json.dumps({**card, "algorithm": "hassle"}))
+    with pytest.raises(ValueError, match="is a HASSLE run.*dual ensemble of four networks"):
+        read_run_weights(tmp_path, spec)
 
 
 # Each algorithm with no hub training before round 1, so its starting model is exactly what it loaded.
