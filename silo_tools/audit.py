@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("state_dir", metavar="STATE_DIR", type=Path, help="the silo's or hub's state folder")
     r = sub.add_parser("report", help="per-run summary for the privacy officer: hub, terms, rounds, messages, "
                        "bytes, epsilons, refusals, and the chain head; exit 1 (report still written) when the "
-                       "chain has problems")
+                       "chain has problems or the privacy ledger is unreadable")
     r.add_argument("state_dir", metavar="STATE_DIR", type=Path, help="the silo's or hub's state folder")
     r.add_argument("--format", choices=("markdown", "csv"), default="markdown",
                    help="markdown (default) or csv (one row per run)")
@@ -312,7 +312,7 @@ def _md(text: Any) -> str:
 
 
 def markdown(state_dir: Path, report: ChainReport, table: list[RunRow], ledger: dict[str, Any] | None,
-             lifetime: tuple[float, float] | None) -> str:
+             lifetime: tuple[float, float] | None, ledger_error: str | None = None) -> str:
     status = "intact" if report.ok else f"NOT intact, {len(report.problems)} problem(s): run `silo-audit verify`"
     lines = [f"# silo-audit report: {_md(state_dir)}", "",
              f"- generated: {datetime.now(UTC).isoformat(timespec='seconds').replace('+00:00', 'Z')}",
@@ -324,6 +324,9 @@ def markdown(state_dir: Path, report: ChainReport, table: list[RunRow], ledger: 
         lines.append(f"- privacy ledger: `{_md(state_dir / LEDGER_FILE)}`; lifetime epsilon {_fmt(lifetime[0])} at "
                      f"delta {lifetime[1]:.3g} (sum over runs, basic composition); epsilons below are the "
                      "ledger's")
+    elif ledger_error is not None:
+        lines.append(f"- privacy ledger `{_md(state_dir / LEDGER_FILE)}` UNREADABLE ({_md(ledger_error)}): epsilons "
+                     "below are the last ones audited")
     else:
         lines.append("- no privacy ledger in this folder (a hub's folder): epsilons below are the last ones audited")
     lines += ["", "## Runs", "",
@@ -373,18 +376,20 @@ def report_command(state_dir: Path, fmt: str, out: Path | None) -> int:
     if out is not None and not out.parent.is_dir():
         return error(f"cannot write {out}: folder {out.parent} does not exist")
     report, collector = scan(audit)
-    ledger, lifetime = None, None
+    ledger, lifetime, ledger_error = None, None, None
     ledger_path = state_dir / LEDGER_FILE
     if ledger_path.is_file():
         try:
             ledger = read_ledger(ledger_path)
-        except LedgerError as err:
-            return error(str(err))
+        except LedgerError as err:  # a problem of the records, as verify counts it: the report is still written
+            ledger_error = str(err)
+    if ledger is not None:
         spent = [r for r in ledger["runs"].values() if r["rounds"]]
         lifetime = (sum((_ledger_value(r["rounds"][-1]["image"]) or 0.0 for r in spent), 0.0),
                     sum((float(r["delta"]) for r in spent), 0.0))
     table = rows(collector, ledger)
-    text = markdown(state_dir, report, table, ledger, lifetime) if fmt == "markdown" else csv_text(report, table)
+    text = (markdown(state_dir, report, table, ledger, lifetime, ledger_error) if fmt == "markdown"
+            else csv_text(report, table))
     if out is None:
         sys.stdout.write(text)
     else:
@@ -393,11 +398,10 @@ def report_command(state_dir: Path, fmt: str, out: Path | None) -> int:
         os.replace(tmp, out)
         print(f"wrote {out}: {len(table)} runs, {report.records} audit records, chain head {report.head}",
               file=sys.stderr)
-    if not report.ok:
-        for p in report.problems:
-            print(f"error: {p}", file=sys.stderr)
-        return 1
-    return 0
+    problems = [*report.problems, *([ledger_error] if ledger_error is not None else [])]
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

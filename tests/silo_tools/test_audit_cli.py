@@ -156,6 +156,10 @@ def test_verify_a_damaged_ledger(state, capsys):
     (state / LEDGER_FILE).write_text("{")
     code, out, _ = run_cli(capsys, "verify", state)
     assert code == 1 and f"error: privacy ledger {state / LEDGER_FILE} is damaged" in out
+    # report agrees with verify: a problem of the records (exit 1), the report still written from the audit
+    code, out, err = run_cli(capsys, "report", state)
+    assert code == 1 and f"error: privacy ledger {state / LEDGER_FILE} is damaged" in err
+    assert out.startswith("# silo-audit report") and "UNREADABLE" in out and "| run-a |" in out
 
 
 def test_a_missing_folder_or_audit_is_a_usage_error(tmp_path, capsys):
