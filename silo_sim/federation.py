@@ -20,6 +20,7 @@ import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
+from silo_server.rounds.breaker import QUARANTINE_FILE, read_quarantine
 from silo_sim.launcher import Forked, Launcher
 from silo_sim.report import console
 
@@ -287,6 +288,14 @@ def silos_stopped(staged, workers: list[subprocess.Popen | Forked | HostedShare]
             for s in staged.silos[w::hosts]:
                 if s.name not in ends:
                     gone[s.name] = f"its host worker-{w} exited with code {proc.poll()}"
+    # A silo the hub quarantined (a secure-sum breaker) still polls, but the hub no longer counts it as ready.
+    quarantine = staged.hub_state_dir / QUARANTINE_FILE
+    try:
+        quarantined = read_quarantine(quarantine) if quarantine.is_file() else {}
+    except ValueError:
+        quarantined = {}
+    for name, q in quarantined.items():
+        gone.setdefault(name, f"quarantined by the hub in round {q.round}")
     if not gone:
         return None
     need = int(hub_section(staged, "rounds").get("min_silos", 1))

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from silo_server.rounds.breaker import Quarantine, QuarantineList
 from silo_sim.cli import build_parser
 from silo_sim.federation import host_threads, silos_stopped
 from silo_sim.ray_engine import HostedShare, actor_count, check_engine_args, pack_share, unpack_share
@@ -134,7 +135,7 @@ def test_silos_whose_ray_actor_returned_or_died_count_as_stopped(tmp_path):
     # Under --engine ray the sim watched only for dead actors: a silo that left by its policy (or an actor out of
     # restarts) left the hub waiting for rounds.min_silos forever, where the worker engine stops and says why.
     (tmp_path / "hub.yaml").write_text("rounds: {min_silos: 3}\n")
-    staged = SimpleNamespace(root=tmp_path, hub_config=tmp_path / "hub.yaml",
+    staged = SimpleNamespace(root=tmp_path, hub_config=tmp_path / "hub.yaml", hub_state_dir=tmp_path / "hub",
                              silos=[SimpleNamespace(name=f"silo-00{i}") for i in (1, 2, 3)])
 
     def share(index, names, **kw):  # staged.silos[w::hosts], as silo-sim deals them
@@ -152,3 +153,8 @@ def test_silos_whose_ray_actor_returned_or_died_count_as_stopped(tmp_path):
     assert dead[1].poll() == 1
     said = silos_stopped(staged, dead, tmp_path, lambda: "waiting_for_silos")
     assert said is not None and "silo-002 its host worker-1 exited with code 1" in said
+    # A silo the hub quarantined still runs, but no longer counts for rounds.min_silos (either engine)
+    staged.hub_state_dir.mkdir()
+    QuarantineList(staged.hub_state_dir).add(Quarantine("silo-001", 4, 2, "breaks the sum", "2026-11-29T00:00:00"))
+    said = silos_stopped(staged, running, tmp_path, lambda: "waiting_for_silos")
+    assert said is not None and "silo-001 quarantined by the hub in round 4" in said
