@@ -65,9 +65,14 @@ class TaskIntake:
     def task_for(self, silo_id: str) -> TaskView:
         """What the silo should do now (call under the lock)."""
         rounds = self.rounds
-        if rounds.phase in ("done", "failed"):
+        if rounds.phase == "done":
             self.registry.tell_done(silo_id)
-            return TaskView("DONE", message=f"run {rounds.phase}")
+            return TaskView("DONE", message="run done")
+        if rounds.phase == "failed":
+            # Not DONE: a silo takes DONE for the run's end and exits for good, while the hub stopped by an error
+            # is restarted (systemd, an operator) and resumes from its checkpoint; the silo waits, then rejoins.
+            return TaskView("WAIT", retry_after_s=5.0, message="the hub stopped on an error; it resumes from its "
+                            "checkpoint when restarted")
         t = rounds.task
         if t and t.open and silo_id in t.sampled and silo_id not in t.reported:
             return TaskView(

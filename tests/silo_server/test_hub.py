@@ -439,3 +439,17 @@ def test_by_default_the_round_waits_twice_its_median_report_time_and_at_least_te
     assert hub.rounds.wait_after_quorum(SimpleNamespace(report_seconds=[4.0, 30.0, 8.0])) == 16.0
     assert make_hub(tmp_path / "set", wait_after_quorum_s=3.0).rounds.wait_after_quorum(
         SimpleNamespace(report_seconds=[40.0])) == 3.0
+
+
+def test_a_hub_stopped_by_an_error_tells_silos_to_wait_not_that_the_run_is_over(tmp_path):
+    # DONE makes a silo exit for good (exit 0: systemd does not restart it), while a hub stopped by an error is
+    # restarted and resumes from its checkpoint: it would then wait for silos that had all gone home.
+    hub = make_hub(tmp_path)
+    hub.join("a", 10, 0, "cpu")
+    hub.rounds.set_phase("failed")
+    view = hub.next_task("a", hub.run_id, wait_s=0.2)
+    assert view.kind == "WAIT" and view.retry_after_s == 5.0 and "resumes from its checkpoint" in view.message
+    assert "a" in hub.registry.silos_not_told_done()
+    hub.rounds.set_phase("done")
+    assert hub.next_task("a", hub.run_id, wait_s=0.2).kind == "DONE"
+    assert "a" not in hub.registry.silos_not_told_done()
