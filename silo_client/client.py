@@ -154,7 +154,7 @@ class SiloClient:
             identity = SiloIdentity.of(bundle.cert, bundle.key, bundle.dir)
             verifier = PeerVerifier(self.hub_check.trusted_ca, self.hub_check.revoked)
         self.privacy = SiloPrivacy(send_result=self._upload, send_stage=self._send_stage, identity=identity,
-                                   verifier=verifier)
+                                   verifier=verifier, state_dir=self.state_dir)
         say_policy_once(self.log, self.policy, self.state_dir)
         # What the silo does next (join, wait for a task, back off, stop): one state machine decides.
         self.connection = Connection(settings.connect_timeout_s, settings.tls_refused_grace_s)
@@ -299,7 +299,9 @@ class SiloClient:
 
     def _check_task(self, task: silo_pb2.Task) -> None:
         """A task must ask for no less than the pinned terms promise (security/terms.py task_breaches)."""
-        breaches = task_breaches(self.pinned or silo_pb2.PrivacyTerms(), task.privacy)
+        replayed = self.privacy.replayed_session(task.privacy)
+        breaches = [*([replayed] if replayed else []), *task_breaches(self.pinned or silo_pb2.PrivacyTerms(),
+                                                                       task.privacy)]
         if breaches:
             b = breaches[0]
             self._leave(Refusal("breach", b.clause, b.pinned, b.asked, f"round {task.round}: {b.message}",

@@ -19,21 +19,26 @@ through the client's Outbox (`send_result`, `send_stage`), which checks it again
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from security.dp import SiloInstructions, privatize_update
 from security.secagg import SecAggError, SiloSession
 from security.secagg.identity import PeerVerifier, SiloIdentity
+from security.terms import Breach
 from silo.v1 import silo_pb2
 from silo_client.policy import BranchPolicy
 from silo_core.algorithms.base import SiloResult
+from silo_core.files import write_json_atomic
 from silo_core.tensors import DTYPES, TensorSpec
 
 log = logging.getLogger("silo_client")
+SIGNED_SESSIONS_FILE = "secagg_signed_sessions.json"
 
 
 @dataclass
@@ -72,10 +77,43 @@ class SiloPrivacy:
     terms that say so: a hub in --insecure-dev-only mode)."""
 
     def __init__(self, send_result: Callable[..., int], send_stage: Callable[..., None],
-                 identity: SiloIdentity | None = None, verifier: PeerVerifier | None = None):
+                 identity: SiloIdentity | None = None, verifier: PeerVerifier | None = None,
+                 state_dir: Path | None = None):
         self.send_result, self.send_stage = send_result, send_stage
         self.identity, self.verifier = identity, verifier
         self.pending: dict[str, Pending] = {}  # session (= task id) -> state
+        # The sessions whose survivor set this silo signed, kept across restarts: a hub that runs one session id
+        # again could replay those signatures to other silos of a later instance and unmask an input (a silo
+        # signs one survivor set per session; the protocol's guarantee rests on that).
+        self.signed_path = Path(state_dir) / SIGNED_SESSIONS_FILE if state_dir is not None else None
+        self.signed_sessions: set[str] = self._read_signed()
+
+    def _read_signed(self) -> set[str]:
+        if self.signed_path is None or not self.signed_path.is_file():
+            return set()
+        try:
+            sessions = json.loads(self.signed_path.read_text())["sessions"]
+            if isinstance(sessions, list) and all(isinstance(s, str) for s in sessions):
+                return set(sessions)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        raise SecAggError(f"{self.signed_path} is damaged: restore it from a backup of this state folder (it lists "
+                          "the secure-aggregation sessions this silo has signed, so that none is run twice)")
+
+    def replayed_session(self, task: silo_pb2.TaskPrivacy) -> Breach | None:
+        """A task that runs again a secure-aggregation session whose survivor set this silo signed: a breach (an
+        honest hub draws a new session id for every attempt of every round)."""
+        session = task.secagg_session
+        if not session or session not in self.signed_sessions:
+            return None
+        return Breach("secure_aggregation.signed", "one survivor set signed per session", f"session {session[:40]} "
+                      "again", f"a task runs secure-aggregation session {session[:40]} again, whose survivor set this "
+                      "silo already signed: signatures replayed from it could unmask a silo's input")
+
+    def _signed(self, session_id: str) -> None:
+        self.signed_sessions.add(session_id)
+        if self.signed_path is not None:
+            write_json_atomic(self.signed_path, {"sessions": sorted(self.signed_sessions)})
 
     def submit(self, silo_id: str, run_id: str, task: silo_pb2.Task, result: SiloResult,
                expected: dict[str, TensorSpec], *, noise_std: float = 0.0, floor: SessionFloor = SessionFloor(),
@@ -131,6 +169,7 @@ class SiloPrivacy:
                 p.tensors = {}
             elif stage == "consistency":
                 answer = p.session.consistency(task.secagg_payload)
+                self._signed(task.task_id)  # before the signature leaves
             elif stage == "unmask":
                 answer = p.session.unmask(task.secagg_payload)
             else:

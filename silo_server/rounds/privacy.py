@@ -273,12 +273,12 @@ class HubPrivacy:
         accountant is charged for is enforced, not assumed). validation.Invalid names which (reasons bad_secagg and
         clip_norm, counted and alerted on as malformed updates)."""
         if rp.session is not None:
-            raise validation.Invalid("FAILED_PRECONDITION", "bad_secagg",
+            raise validation.Invalid("INVALID_ARGUMENT", "bad_secagg",
                                      "this round is securely aggregated: results are never accepted in the clear")
         if rp.instructions is not None:
             norm = update_norm(tensors, rp.instructions.clip_tensors)
             if norm > rp.instructions.clip_norm * (1 + 1e-4) + 1e-12:
-                raise validation.Invalid("FAILED_PRECONDITION", "clip_norm", f"update norm {norm:.6g} exceeds the "
+                raise validation.Invalid("INVALID_ARGUMENT", "clip_norm", f"update norm {norm:.6g} exceeds the "
                                          f"round's clip norm {rp.instructions.clip_norm:.6g}")
 
     @staticmethod

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from security.dp import DPConfig, PrivacyAccountant
-from security.secagg import QuantizationRule, SecAggParams
+from security.secagg import QuantizationRule, SecAggError, SecAggParams
 from silo.v1 import silo_pb2
 from silo_client.privacy import SiloPrivacy
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan, SiloResult
@@ -167,6 +167,28 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
         assert s.sent[:3] == ["advertise_keys", "share_keys", *(["charge"] if s.silo_id != "s3" else [])], s.sent
         assert s.sent.count("charge") == (0 if s.silo_id == "s3" else 1)
         assert s.silo_id == "s3" or s.sent.index("charge") == s.sent.index("masked_input") - 1
+
+
+def test_a_silo_remembers_the_sessions_it_signed_and_calls_running_one_again_a_breach(tmp_path):
+    # Signatures over a survivor set bind (run, session, set) only: a hub that ran one session id again could show
+    # each group of silos the set another group signed before, and unmask an input. A silo signs once per session.
+    hub = make(tmp_path / "hub", PrivacySection(secure_aggregation=SECAGG))
+    silos = [Silo(hub, f"s{i}", 1.0) for i in range(5)]
+    for s in silos:
+        s.privacy = SiloPrivacy(send_result=s.send_result, send_stage=s.send_stage, state_dir=tmp_path / s.silo_id)
+        (tmp_path / s.silo_id).mkdir()
+        s.start()
+    hub.run()
+    (session,) = silos[0].privacy.signed_sessions  # the round's one attempt (its task id)
+    for s in silos:
+        assert s.privacy.signed_sessions == {session}
+        again = SiloPrivacy(send_result=s.send_result, send_stage=s.send_stage, state_dir=tmp_path / s.silo_id)
+        breach = again.replayed_session(silo_pb2.TaskPrivacy(secagg_session=session))
+        assert breach is not None and breach.clause == "secure_aggregation.signed" and "again" in breach.message
+        assert again.replayed_session(silo_pb2.TaskPrivacy(secagg_session=session + "x")) is None
+    (tmp_path / "s0" / "secagg_signed_sessions.json").write_text("{")
+    with pytest.raises(SecAggError, match="secagg_signed_sessions.json is damaged"):
+        SiloPrivacy(send_result=silos[0].send_result, send_stage=silos[0].send_stage, state_dir=tmp_path / "s0")
 
 
 class OversizedMaskedInput(Silo):
@@ -521,7 +543,8 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
         task = silo_pb2.Task(task_id=view.task_id, round=view.round)
         with pytest.raises(Refusal, match=why) as refused:  # norm sqrt(4000) * 1.0 >> 1
             silos[0].send_result(task, {"delta/x": torch.full((D,), bad), "weight": torch.ones(1)}, {}, False)
-        assert refused.value.code == "FAILED_PRECONDITION" and hub.rounds.task.reported == set()
+        # A content refusal (the silo waits for the round to close), not FAILED_PRECONDITION (the client rejoins)
+        assert refused.value.code == "INVALID_ARGUMENT" and hub.rounds.task.reported == set()
         assert hub.registry.refusals == {"bad_secagg" if section.secure_aggregation.enabled else "clip_norm": 1}
         hub.stop()
         thread.join(5)
