@@ -266,6 +266,17 @@ class SiloClient:
         self.outbox.pin(run.run_id, digest, int(run.chunk_bytes))
         self.audit.append("terms", hub=self.hub_check.identity(), run=run.run_id, terms=terms_dict(run.terms),
                           terms_sha256=digest, protocol_version=run.protocol_version)
+        # A restarted silo: the run's terms were pinned by an earlier process, and its ledger holds them.
+        first = self.ledger.first_terms(run.run_id)
+        if first is not None and first != digest:
+            self._leave(Refusal("breach", "terms", first[:16], digest[:16], "the hub states other privacy terms than "
+                                "those this silo pinned when it first joined the run (its privacy ledger); a run's "
+                                "terms may not change"))
+        left = self.ledger.breach_left(run.run_id)
+        if left is not None:
+            self._leave(Refusal("breach", str(left.get("clause", "terms")), "no return after a breach",
+                                f"run {run.run_id[:8]} again", f"this silo left run {run.run_id[:8]} for a breach "
+                                f"({left.get('message', '')}); it does not join that run again"))
         if self.policy is not None:
             dp = run.terms.client_dp
             one_round = self.ledger.client_epsilon_after(run.run_id, dp.noise_multiplier) if dp.enabled else None

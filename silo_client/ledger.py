@@ -237,6 +237,17 @@ class BranchLedger:
         image = _dec(entry["image"])
         return RunEpsilon(_dec(entry["client"]), _dec(entry["sample"]), math.inf if image is None else image)
 
+    def first_terms(self, run_id: str) -> str | None:
+        """The terms digest this silo pinned when it first joined the run (None: a run it has no record of)."""
+        run = self._data["runs"].get(run_id)
+        return run.get("terms_sha256") if run is not None and run.get("begun") else None
+
+    def breach_left(self, run_id: str) -> dict[str, Any] | None:
+        """The silo's last departure from the run for a breach of its terms or policy, if it left it so."""
+        run = self._data["runs"].get(run_id)
+        breaches = [leave for leave in (run or {}).get("leaves", []) if leave.get("kind") == "breach"]
+        return breaches[-1] if breaches else None
+
     def lifetime_epsilon(self, exclude_run: str | None = None) -> float:
         """Sum of the runs' image-level epsilons (basic composition), at lifetime_delta."""
         return sum((self.run_epsilon(r).image for r in self._data["runs"] if r != exclude_run), 0.0)

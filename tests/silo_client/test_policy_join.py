@@ -16,7 +16,7 @@ from security.tls import DEV_IDENTITY_KEY
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.client import SiloClient, SiloSettings
 from silo_client.errors import SiloLeft
-from silo_client.ledger import LEDGER_FILE
+from silo_client.ledger import LEDGER_FILE, BranchLedger
 from silo_client.policy import BranchPolicy
 from silo_server.app import HubApp
 from silo_server.config import parse_config
@@ -119,6 +119,48 @@ def test_a_hub_restarted_with_another_chunk_size_gets_chunks_of_that_size(tmp_pa
         assert client.outbox.chunk_bytes == 65536 and client.pinned_for == app.hub.run_id
     finally:
         client.close()
+        app.stop()
+
+
+def test_a_restarted_silo_holds_a_run_to_the_terms_its_ledger_pinned(tmp_path):
+    # The pinned terms lived in the silo process only: a silo restarted (systemd, a reboot) pinned whatever a hub
+    # restarted under the same run id stated now.
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "run.json").write_text(json.dumps({"run_id": "run-r", "created": 0}))
+    earlier = BranchLedger(tmp_path / "silo-state")  # an earlier process pinned other terms and released a round
+    earlier.begin_run("run-r", hub_serial="1", hub_fingerprint="f", terms_sha256="0" * 64, client_dp_noise=None,
+                      sample_dp=False)
+    earlier.record_round("run-r", 1, client_dp_noise=None, sample_epsilon=None)
+    app, port = start_hub(tmp_path)
+    client = silo(tmp_path, port)
+    try:
+        with pytest.raises(SiloLeft) as left:
+            client._join()
+        assert (left.value.refusal.kind, left.value.refusal.clause) == ("breach", "terms")
+        assert left.value.refusal.required == "0" * 16
+        assert "other privacy terms than those this silo pinned when it first joined the run" in str(left.value)
+        assert app.hub.registry.departures == {("breach", "terms"): 1}
+    finally:
+        client.close()
+        app.stop()
+
+
+def test_a_silo_that_left_a_run_for_a_breach_does_not_rejoin_it_after_a_restart(tmp_path):
+    app, port = start_hub(tmp_path)
+    first = silo(tmp_path, port)
+    try:
+        first._join()
+        first.ledger.record_leave(app.hub.run_id, "breach", "client_dp.noise", "round 3: a task lowered the noise")
+    finally:
+        first.close()
+    again = silo(tmp_path, port)  # the same state folder: a restarted process
+    try:
+        with pytest.raises(SiloLeft) as left:
+            again._join()
+        assert (left.value.refusal.kind, left.value.refusal.clause) == ("breach", "client_dp.noise")
+        assert "left run" in str(left.value) and "it does not join that run again" in str(left.value)
+    finally:
+        again.close()
         app.stop()
 
 
