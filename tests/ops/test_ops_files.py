@@ -192,6 +192,9 @@ def test_systemd_units_verify(tmp_path):
     exec_start = [line for line in (OPS / "systemd/silokit-silo.service").read_text().splitlines()
                   if line.startswith("ExecStart=")][0]
     assert set(re.findall(r"\$\{(\w+)\}", exec_start)) == set(env)  # every variable the unit uses is defined
+    # silo-client exits 3 when it left the run by its policy: systemd must not restart it into the same refusal
+    unit = (OPS / "systemd/silokit-silo.service").read_text()
+    assert "Restart=on-failure" in unit and "RestartPreventExitStatus=3" in unit
 
 
 def test_every_exported_metric_is_documented(tmp_path):
