@@ -108,6 +108,10 @@ class Connection:
             return Step(Phase.REFUSED, error=f"the hub refused this silo: {o.message}; check --certs")
         if o.code == "PERMISSION_DENIED":
             return Step(Phase.REFUSED, error=f"the hub refused this silo: {o.message}")
+        if o.code == "ALREADY_EXISTS" and self.phase is Phase.JOINING:
+            # Another certificate of this silo holds a live session (a renewed one started beside the old process):
+            # it may end (liveness_s), so wait, doubling, rather than join once a second for ever.
+            return self._back_off(f"the hub refused the join: {o.message}", now, Phase.JOINING)
         if o.code in TRANSIENT:
             return self._back_off(o.message, now, Phase.JOINING if o.code == "UNAVAILABLE" else self.phase)
         return Step(self.phase, wait_s=1.0, log=f"hub refused a request: {o.code}: {o.message}")

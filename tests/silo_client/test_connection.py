@@ -56,6 +56,17 @@ def test_a_stale_task_or_a_restarted_hub_joins_again_at_once():
     assert (step.phase, step.wait_s) == (Phase.JOINING, 0.0) and "joining again" in step.log
 
 
+def test_a_join_refused_for_another_live_session_backs_off_doubling_not_once_a_second():
+    c = connection(connect_timeout_s=0)
+    waits = [c.after(Outcome("rpc_error", code="ALREADY_EXISTS", message="silo a is connected with another "
+                                                                           "certificate"), now).wait_s
+             for now in range(4)]
+    assert c.phase is Phase.JOINING and all(0.75 * b <= w <= 1.25 * b for w, b in zip(waits, (1, 2, 4, 8), strict=True))
+    c.after(Outcome("joined"), 5)
+    step = c.after(Outcome("rpc_error", code="ALREADY_EXISTS", message="duplicate upload"), 6)  # not at join
+    assert (step.phase, step.wait_s) == (Phase.WAITING, 1.0)
+
+
 def test_a_rate_refusal_waits_as_long_as_the_hub_says_then_resumes_what_it_was_doing():
     c = connection()
     c.after(Outcome("joined"), 0)
