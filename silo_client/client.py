@@ -468,6 +468,13 @@ class SiloClient:
         if sent is not None and sent.task_id == task.task_id:
             self._resend(task, sent)
             return
+        keys = self.privacy.advertised(task.task_id)
+        if keys is not None:  # a secure round whose advertised keys never reached the hub: the same keys again
+            self._send_stage(task.task_id, task.round, "advertise_keys", keys, None)
+            self.log.warning("round %d: the hub asked again for task %s, whose keys this silo already advertised for "
+                             "secure aggregation; sent the same keys again (no new training, nothing more charged)",
+                             task.round, task.task_id)
+            return
         self._load_if_deferred()
         self._check_task(task)
         budget = self._budget(task)

@@ -143,9 +143,14 @@ class SiloPrivacy:
                               min_cohort=max(floor.min_cohort, p.min_contributors),
                               min_threshold=floor.min_threshold)
         self.pending = {session_id: Pending(session, tensors, task.round, charge)}
-        payload = session.advertise_keys()
+        payload = self.pending[session_id].answers["advertise_keys"] = session.advertise_keys()
         self.send_stage(task.task_id, task.round, "advertise_keys", payload, None, None)
         return "keys advertised for secure aggregation"
+
+    def advertised(self, task_id: str) -> bytes | None:
+        """The keys this silo advertised for the task's session, while it is under way (None: none)."""
+        p = self.pending.get(task_id)
+        return p.answers.get("advertise_keys") if p is not None else None
 
     def run_stage(self, task: silo_pb2.Task) -> None:
         """Answer one SECAGG task; a session that cannot go on says so (stage abort) and is forgotten."""

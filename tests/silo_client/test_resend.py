@@ -114,3 +114,31 @@ def test_the_largest_secure_aggregation_input_reaches_a_silo_in_one_task(tmp_pat
     finally:
         client.close()
         app.stop(0)
+
+
+def test_a_secure_round_asked_again_after_its_keys_were_lost_gets_the_same_keys_and_no_second_training(tmp_path):
+    # advertise_keys never reached the hub: it offers the same TRAIN task again. Training again would release a
+    # second update (and charge DP-SGD's ledger twice for one release); the silo sends the same keys again.
+    silos = ("dev-1", "dev-2", "dev-3")
+    config = hub_config(tmp_path, total=1, silos_per_round_count=3, min_silos=3)
+    config = config.model_copy(update={
+        "security": config.security.model_copy(update={"allowed_silos": list(silos)}),
+        "privacy": parse_config({"data": {"labeled": {"kind": "demo"}}, "privacy": {"secure_aggregation": {
+            "enabled": True, "min_cohort": 3, "dropouts": 0}}}, base=tmp_path).privacy})
+    app = HubApp(config, insecure_dev_only=True)
+    advertised: list[tuple[str, str, str]] = []
+    accept = app.hub.upload
+
+    def losing_first_keys(silo_id, header, chunks):
+        data = b"".join(c for _, c in chunks)
+        if header["secagg_stage"] == "advertise_keys":
+            advertised.append((silo_id, header["task_id"], header["sha256"]))
+            if silo_id == "dev-1" and len([a for a in advertised if a[0] == "dev-1"]) == 1:
+                raise Refusal("UNAVAILABLE", "lost", "the hub lost this message; send it again")
+        return accept(silo_id, header, iter([(0, data)] if data else []))
+
+    app.hub.upload = losing_first_keys
+    history = run_dev_silos(app, tmp_path, silos)
+    assert len(history) == 1 and history[0].secagg is not None and history[0].secagg.contributors == 3
+    dev1 = [a for a in advertised if a[0] == "dev-1"]
+    assert len(dev1) == 2 and dev1[0] == dev1[1]  # the same task, the same keys: not trained again
