@@ -29,6 +29,7 @@ import torch
 
 from security.dp import SiloInstructions, privatize_update
 from security.secagg import SecAggError, SiloSession
+from security.secagg.graph import degree_for, threshold_for
 from security.secagg.identity import PeerVerifier, SiloIdentity
 from security.terms import Breach
 from silo.v1 import silo_pb2
@@ -59,6 +60,8 @@ class SessionFloor:
 
     min_cohort: int = 0  # the survivor set, signed by this many silos, must hold at least this many
     min_threshold: int = 0  # shares its neighbours must reveal before its masks can be removed
+    threshold: float = 0.0  # the pinned shape: t as a fraction of k (0: none pinned) ...
+    neighbours: int = 0  # ... and k when the hub fixes it (0: 3 ceil(log2 n))
 
     @classmethod
     def of(cls, pinned: silo_pb2.PrivacyTerms, policy: BranchPolicy | None) -> SessionFloor:
@@ -66,7 +69,21 @@ class SessionFloor:
         floor in its terms is held to it even where the policy asks for less (or the silo has none)."""
         sa, mine = pinned.secure_aggregation, policy.secure_aggregation if policy is not None else None
         return cls(min_cohort=max(sa.min_cohort, mine.min_cohort if mine else 0),
-                   min_threshold=max(sa.min_threshold, mine.min_threshold if mine else 0))
+                   min_threshold=max(sa.min_threshold, mine.min_threshold if mine else 0),
+                   threshold=sa.threshold if sa.enabled else 0.0, neighbours=sa.neighbours if sa.enabled else 0)
+
+    def threshold_at(self, contributors: int) -> int:
+        """The least t this silo accepts in a round whose sum must hold `contributors` silos: the pinned shape's t
+        for a round of that many (the round samples at least as many, and k and t only grow with it), and never
+        below min_threshold. The pinned min_threshold alone is the t of the run's smallest round: a hub could
+        hand one silo a two-neighbour roster in a round of fifty, where its two neighbours unmask it."""
+        if not self.threshold:
+            return self.min_threshold
+        try:
+            t = threshold_for(degree_for(contributors, self.neighbours or None), self.threshold)
+        except ValueError:  # too few for any round: the session's own checks refuse it
+            return self.min_threshold
+        return max(self.min_threshold, t)
 
 
 class SiloPrivacy:
@@ -139,9 +156,9 @@ class SiloPrivacy:
             self.send_result(task, tensors, {}, result.skipped, None if result.skipped else charge)
             return "update sent (clipped" + (", noised)" if noise_std or dp.noise_std else ")")
         session_id = p.secagg_session
+        cohort = max(floor.min_cohort, p.min_contributors)
         session = SiloSession(session_id, silo_id, identity=self.identity, verifier=self.verifier, run_id=run_id,
-                              min_cohort=max(floor.min_cohort, p.min_contributors),
-                              min_threshold=floor.min_threshold)
+                              min_cohort=cohort, min_threshold=floor.threshold_at(cohort))
         self.pending = {session_id: Pending(session, tensors, task.round, charge)}
         payload = self.pending[session_id].answers["advertise_keys"] = session.advertise_keys()
         self.send_stage(task.task_id, task.round, "advertise_keys", payload, None, None)
