@@ -391,6 +391,21 @@ def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
     assert abs(float(noise.mean())) < 5 * z * clip / 5 / D ** 0.5
 
 
+def round_until_stopped(hub: Hub) -> tuple[threading.Thread, list[bool]]:
+    """The hub's next round in a thread that retries failed attempts until hub.stop(); `stopped` says it ended so."""
+    state, stopped = hub.rounds.resume_or_init(), []
+
+    def run():
+        try:
+            hub.rounds.run_round(state)
+        except InterruptedError:
+            stopped.append(True)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    return runner, stopped
+
+
 class RevokedAfterReporting(Silo):
     """Reports its update (or, under secure aggregation, advertises its keys), then its certificate is revoked and
     the hub evicts it; the others send theirs only after that (`others_go`)."""
@@ -458,17 +473,7 @@ def test_a_secure_round_whose_keys_came_from_a_silo_since_revoked_fails_below_qu
     hub.join("s3", 10, 0, "cpu")  # joined, then silent
     for s in silos:
         s.start()
-    state = hub.rounds.resume_or_init()
-    stopped = []
-
-    def run():
-        try:
-            hub.rounds.run_round(state)
-        except InterruptedError:
-            stopped.append(True)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
+    runner, stopped = round_until_stopped(hub)
     deadline = time.time() + 30
     while hub.registry.counters.get("rounds_failed", 0) < 1 and time.time() < deadline:
         time.sleep(0.05)

@@ -2,7 +2,6 @@
 vectors, the hub's path through individual update files, the round record and Prometheus, and the config's
 refusals."""
 
-import threading
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from silo_server.rounds.robust import (
 )
 from tests.silo_server.hubs import build_hub
 from tests.silo_server.test_hub import MeanOfSilos, TwoGroups, grouped, start_round, upload, wait_task
+from tests.silo_server.test_privacy import round_until_stopped
 
 
 def store_of(tmp_path, updates):
@@ -159,17 +159,7 @@ def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_pat
               min_silos=2, quorum=1.0, deadline_s=10.0, aggregation=AggregationSection(rule="krum"))
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
-    state = hub.rounds.resume_or_init()
-    stopped = []
-
-    def run():
-        try:
-            hub.rounds.run_round(state)
-        except InterruptedError:
-            stopped.append(True)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, stopped = round_until_stopped(hub)
     tasks = {s: wait_task(hub, s) for s in ("a", "b")}
     for s in ("a", "b"):
         upload(hub, s, tasks[s], {"delta/x": torch.ones(3), "weight": torch.tensor([1.0])})
