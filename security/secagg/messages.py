@@ -40,6 +40,10 @@ class DuplicateMessage(ProtocolError):
     """A second message from a silo for a stage it already answered: the first stands (ALREADY_EXISTS)."""
 
 
+class StageNotOpen(ProtocolError):
+    """A message for a stage the session is not at (late, after its deadline, or early): not a broken message."""
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

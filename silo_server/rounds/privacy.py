@@ -303,8 +303,8 @@ class HubPrivacy:
         if stage == "advertise_keys":
             s.receive_keys(silo_id, payload)
         elif stage != rp.outbox_stage or silo_id not in rp.outbox:
-            raise ProtocolError(f"stage {printable(stage, 32)} is not open for silo {silo_id} (current: "
-                                f"{rp.outbox_stage or s.stage})")
+            raise msg.StageNotOpen(f"stage {printable(stage, 32)} is not open for silo {silo_id} (current: "
+                                   f"{rp.outbox_stage or s.stage})")
         elif stage == "share_keys":
             s.receive_shares(silo_id, payload)
         elif stage == "masked_input":

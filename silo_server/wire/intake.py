@@ -14,7 +14,7 @@ import torch
 
 from security import validation
 from security.secagg import ProtocolError
-from security.secagg.messages import DuplicateMessage
+from security.secagg.messages import DuplicateMessage, StageNotOpen
 from silo.v1 import silo_pb2
 from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge
 from silo_server.rounds.aggregate import UploadBudget
@@ -273,9 +273,13 @@ class TaskIntake:
                     rounds.accept_stage(silo_id, t, stage, payload, total)
                 except ProtocolError as err:
                     duplicate = isinstance(err, DuplicateMessage)
-                    if not duplicate:  # the first message of a stage stands; a broken one is a dropout
+                    if not duplicate:  # the first message of a stage stands; a late or broken one is a dropout
                         rounds.leave_round(silo_id)
                         self.cond.notify_all()
-                    raise registry.refuse(silo_id, "ALREADY_EXISTS" if duplicate else "INVALID_ARGUMENT",
-                                          "bad_secagg", str(err)) from None
+                    # Only a message the session cannot use is bad_secagg (alerted on as malformed): a repeat is a
+                    # duplicate and a late answer (a stage deadline missed) stale, as for clear uploads.
+                    code, reason = (("ALREADY_EXISTS", "duplicate") if duplicate else
+                                    ("FAILED_PRECONDITION", "stale_task") if isinstance(err, StageNotOpen) else
+                                    ("INVALID_ARGUMENT", "bad_secagg"))
+                    raise registry.refuse(silo_id, code, reason, str(err)) from None
         log.info("round %d: secure aggregation %s from %s", t.round, stage, silo_id)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from security.dp import DPConfig, PrivacyAccountant
-from security.secagg import QuantizationRule, SecAggError, SecAggParams
+from security.secagg import QuantizationRule, SecAggParams
 from silo.v1 import silo_pb2
+from silo_client.errors import SiloError
 from silo_client.privacy import SiloPrivacy
 from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan, SiloResult
 from silo_core.models import ModelSpec
@@ -187,8 +188,34 @@ def test_a_silo_remembers_the_sessions_it_signed_and_calls_running_one_again_a_b
         assert breach is not None and breach.clause == "secure_aggregation.signed" and "again" in breach.message
         assert again.replayed_session(silo_pb2.TaskPrivacy(secagg_session=session + "x")) is None
     (tmp_path / "s0" / "secagg_signed_sessions.json").write_text("{")
-    with pytest.raises(SecAggError, match="secagg_signed_sessions.json is damaged"):
+    with pytest.raises(SiloError, match="secagg_signed_sessions.json is damaged"):
         SiloPrivacy(send_result=silos[0].send_result, send_stage=silos[0].send_stage, state_dir=tmp_path / "s0")
+
+
+class RepeatsAndRushes(Silo):
+    """Sends its share_keys message twice, then an unmask message before that stage opens."""
+
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
+        super().send_stage(task_id, round_, stage, payload, charge, tensors)
+        if stage == "share_keys":
+            for again, what in ((stage, payload), ("unmask", b"{}")):
+                try:
+                    super().send_stage(task_id, round_, again, what)
+                except Refusal as r:
+                    self.refused.append(f"{again}: {r.code} {r.reason}")
+
+
+def test_a_repeated_or_early_stage_message_is_a_duplicate_or_stale_not_a_malformed_one(tmp_path):
+    # bad_secagg fires the malformed-update alert: a repeat (a lost reply) or a message for a stage that is not
+    # open (a stage deadline missed) is the silo's timing, not a broken message.
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG))
+    silos = [RepeatsAndRushes(hub, "s0", 1.0), *(Silo(hub, f"s{i}", 1.0) for i in range(1, 5))]
+    for s in silos:
+        s.start()
+    hub.run()
+    assert silos[0].refused == ["share_keys: ALREADY_EXISTS duplicate", "unmask: FAILED_PRECONDITION stale_task"]
+    assert "bad_secagg" not in hub.registry.refusals and hub.registry.refusals["stale_task"] >= 1
+    assert hub.records.history[-1].secagg.contributors == 4  # the early message counted s0 out, as before
 
 
 class OversizedMaskedInput(Silo):
