@@ -469,7 +469,7 @@ class SiloClient:
             self._resend(task, sent)
             return
         keys = self.privacy.advertised(task.task_id)
-        if keys is not None:  # a secure round whose advertised keys never reached the hub: the same keys again
+        if keys is not None:  # a secure round whose advertised keys were lost on the way: the same keys again
             self._send_stage(task.task_id, task.round, "advertise_keys", keys, None)
             self.log.warning("round %d: the hub asked again for task %s, whose keys this silo already advertised for "
                              "secure aggregation; sent the same keys again (no new training, nothing more charged)",

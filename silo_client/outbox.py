@@ -165,7 +165,12 @@ class Outbox:
                                        total_bytes=len(payload), sha256=sha256_hex(payload), secagg_stage=stage)
         self._record(f"secagg:{stage}", round=round_number, task=task_id, bytes=len(payload) + header.ByteSize(),
                      sha256=header.sha256, tensors=tensors, epsilon=epsilon)
-        self._stream(header, payload)
+        try:
+            self._stream(header, payload)
+        except grpc.RpcError as err:
+            if upload_refused(err):  # refused, not lost: sending it again would be refused again
+                self.refused_tasks.add(task_id)
+            raise
 
     def _check_size(self, size: int, round_number: int) -> None:
         refusal = check_upload(self.policy, size, round_number)

@@ -33,6 +33,7 @@ from security.secagg.graph import degree_for, threshold_for
 from security.secagg.identity import PeerVerifier, SiloIdentity
 from security.terms import Breach
 from silo.v1 import silo_pb2
+from silo_client.errors import SiloError
 from silo_client.policy import BranchPolicy
 from silo_core.algorithms.base import SiloResult
 from silo_core.files import write_json_atomic
@@ -114,7 +115,7 @@ class SiloPrivacy:
                 return set(sessions)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        raise SecAggError(f"{self.signed_path} is damaged: restore it from a backup of this state folder (it lists "
+        raise SiloError(f"{self.signed_path} is damaged: restore it from a backup of this state folder (it lists "
                           "the secure-aggregation sessions this silo has signed, so that none is run twice)")
 
     def replayed_session(self, task: silo_pb2.TaskPrivacy) -> Breach | None:

@@ -214,7 +214,8 @@ class RoundRecord:
     # after the quorum reported: rounds.wait_after_quorum_s)
     silos_left_out: tuple[str, ...] = ()
     quorum_wait_seconds: float | None = None  # how long the round waited past its quorum for the rest
-    silos_contributed: int | None = None  # the applied sum holds its update (reported, not a skip, stayed)
+    # the applied sum holds its update (reported, not a skip, stayed, not left out by a robust aggregation rule)
+    silos_contributed: int | None = None
     attempt: int | None = None  # >1 after below-quorum retries
     bytes_up: int | None = None
     bytes_down: int | None = None  # every bundle sent, to the sampled silos and to the silos below

@@ -473,7 +473,9 @@ class RoundLoop:
         left = self._mark_dropped(task)
         failed = FailedAttempt(task.round, task.attempt, reason, tuple(sorted(left)))
         for sink in self.sinks:  # Prometheus counts the silos it waited for in vain (the below-quorum alert's cause)
-            sink.attempt_failed(failed)
+            attempt_failed = getattr(sink, "attempt_failed", None)  # a sink written before the method: skipped
+            if attempt_failed is not None:
+                attempt_failed(failed)
         with self.cond:
             self.task = None
             self.failed_attempts += 1

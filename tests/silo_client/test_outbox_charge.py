@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 import torch
 
@@ -66,3 +67,30 @@ def test_a_stage_message_over_the_policys_size_is_neither_charged_nor_sent(outbo
     assert events == [] and "secagg:masked_input" not in audited(audit)
     box.stage("s1", 1, "masked_input", b"x" * 1000, charge_into(events))
     assert events == ["charge", "sent masked_input 1000"]
+
+
+class RefusingHubEnd(HubEnd):
+    def Upload(self, messages, timeout):  # noqa: N802 - the gRPC method's name
+        header = next(messages).header
+        self.events.append(f"refused {header.secagg_stage}")
+        raise Refused()
+
+
+class Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return "keys do not parse"
+
+
+def test_secure_aggregation_keys_the_hub_refused_mark_the_task_refused_so_they_are_not_sent_again(tmp_path):
+    # A refused advertise_keys (not a lost one): the client's resend of the same keys would be refused once a second
+    # until the round closed; the task is waited out, as a refused clear upload's is.
+    events: list[str] = []
+    box = Outbox(RefusingHubEnd(events), AuditLog(tmp_path / "audit.jsonl"), None,
+                 lambda: {"serial": "", "fingerprint": ""})
+    box.pin("run-1", "terms")
+    with pytest.raises(grpc.RpcError):
+        box.stage("t1", 1, "advertise_keys", b"{}", None)
+    assert events == ["refused advertise_keys"] and box.refused_tasks == {"t1"}
