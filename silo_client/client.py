@@ -73,6 +73,7 @@ from silo_core.data import (
     IMAGE_EXTENSIONS,
     DataError,
     ImageFiles,
+    list_image_files,
     load_labeled_folder,
     load_unlabeled_folder,
 )
@@ -361,6 +362,7 @@ class SiloClient:
             unlabeled, skipped = images.images, list(images.skipped)
             self.log.info("loaded %d images from %s (%d skipped)%s", len(images), self.s.data, len(images.skipped),
                           self._how_read(images.images))
+        skipped_unlabeled = list(skipped)
         if self.s.labeled is not None:
             folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels, **self._loading())
             check_labeled_classes(self.s.labeled, folder.classes, run)
@@ -374,7 +376,8 @@ class SiloClient:
         if skipped:
             self.log.warning("%d of %d image files skipped as unreadable", len(skipped),
                              self.num_files + self.num_labeled_files)
-        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled)), state_dir=self.state_dir,
+        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled), skipped_unlabeled),
+                        state_dir=self.state_dir,
                         silo_id=self.silo_id, labeled_images=labeled, labeled_labels=labels)
 
     def _loading(self) -> dict[str, float | int]:
@@ -397,10 +400,17 @@ class SiloClient:
             self.skipped_images = total
             self.metrics.unreadable(total)
 
-    def _sim_labels(self, n: int) -> torch.Tensor | None:
+    def _sim_labels(self, n: int, skipped: list[tuple[str, str]] = ()) -> torch.Tensor | None:
+        """silo-sim's true labels of the unlabeled images (for the pseudo-label accuracy), one per staged file in
+        list_image_files order: those of files the loader skipped as unreadable are dropped, not all of them."""
         if self.s.sim_labels is None:
             return None
         labels = json.loads(Path(self.s.sim_labels).read_text())
+        if skipped and self.s.data is not None and len(labels) == n + len(skipped):
+            gone = {Path(path).resolve() for path, _ in skipped}
+            files = list_image_files(self.s.data)
+            if len(files) == len(labels):
+                labels = [label for path, label in zip(files, labels, strict=True) if path.resolve() not in gone]
         if len(labels) != n:
             self.log.warning("simulation labels (%d) do not match the %d images loaded; ignoring them", len(labels), n)
             return None
