@@ -117,7 +117,9 @@ class RunRecords:
         except (OSError, ValueError) as err:
             log.warning("cannot read %s (%s): the breaker search goes on from the checkpoint's", HUNT_FILE, err)
             return None
-        if not isinstance(saved, dict) or saved.get("run_id") != self.run_id or saved.get("round") != checkpoint_round + 1:
+        if not isinstance(saved, dict) or saved.get("run_id") != self.run_id:
+            return None
+        if saved.get("round") != checkpoint_round + 1:
             return None
         hunt = saved.get("breaker_hunt")
         return hunt if isinstance(hunt, dict) else None
