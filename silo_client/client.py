@@ -47,6 +47,7 @@ from silo_client.hub_link import (
     retry_after_s,
 )
 from silo_client.ledger import BranchLedger
+from silo_client.local_data import load_branch_data
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.outbox import Charge, Outbox, PolicyStop, SentUpload, metrics_allowed
 from silo_client.policy import Refusal, allowed_factories, check_run, required_noise_std
@@ -56,7 +57,6 @@ from silo_client.run_checks import (
     check_architecture,
     check_counts_for,
     check_data_for,
-    check_labeled_classes,
     check_model_allowed,
     check_upload_fits,
     count_image_files,
@@ -73,9 +73,6 @@ from silo_core.data import (
     IMAGE_EXTENSIONS,
     DataError,
     ImageFiles,
-    list_image_files,
-    load_labeled_folder,
-    load_unlabeled_folder,
 )
 from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
 from silo_core.training import resolve_device
@@ -355,39 +352,10 @@ class SiloClient:
         return silo
 
     def _load(self, run: silo_pb2.RunDescription) -> SiloData:
-        empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)
-        unlabeled, labeled, labels, skipped = empty, None, None, []
-        if self.s.data is not None:
-            images = load_unlabeled_folder(self.s.data, run.image_size, run.in_channels, **self._loading())
-            unlabeled, skipped = images.images, list(images.skipped)
-            self.log.info("loaded %d images from %s (%d skipped)%s", len(images), self.s.data, len(images.skipped),
-                          self._how_read(images.images))
-        skipped_unlabeled = list(skipped)
-        if self.s.labeled is not None:
-            folder = load_labeled_folder(self.s.labeled, run.image_size, run.in_channels, **self._loading())
-            check_labeled_classes(self.s.labeled, folder.classes, run)
-            labeled, labels = folder.images, folder.labels
-            skipped += [s for s in folder.skipped if not s[1].startswith("not inside")]
-            self.log.info("loaded %d labeled images from %s%s", len(folder), self.s.labeled,
-                          self._how_read(folder.images))
-        self.skipped_images = self.skipped_at_load = len(skipped)
-        for path, reason in skipped[:5]:
-            self.log.warning("skipped unreadable image %s: %s", path, reason)
-        if skipped:
-            self.log.warning("%d of %d image files skipped as unreadable", len(skipped),
-                             self.num_files + self.num_labeled_files)
-        return SiloData(images=unlabeled, true_labels=self._sim_labels(len(unlabeled), skipped_unlabeled),
-                        state_dir=self.state_dir,
-                        silo_id=self.silo_id, labeled_images=labeled, labeled_labels=labels)
-
-    def _loading(self) -> dict[str, float | int]:
-        return {"cache_mb": self.s.cache_mb, "workers": self.s.loader_workers}
-
-    def _how_read(self, images: torch.Tensor | ImageFiles) -> str:
-        if isinstance(images, ImageFiles):
-            return (f", read from disk as training goes by {images.workers} loader workers (more than "
-                    f"--cache-mb {self.s.cache_mb:g} MiB decoded)")
-        return ", decoded into memory"
+        data, skipped = load_branch_data(self.s, run, state_dir=self.state_dir, silo_id=self.silo_id,
+                                         files=self.num_files + self.num_labeled_files, log=self.log)
+        self.skipped_images = self.skipped_at_load = skipped
+        return data
 
     def _count_unreadable(self, round_: int) -> None:
         """Files that turned out unreadable while training (read lazily) join the skipped count: logged, exported
@@ -399,22 +367,6 @@ class SiloClient:
                              total - self.skipped_images, total)
             self.skipped_images = total
             self.metrics.unreadable(total)
-
-    def _sim_labels(self, n: int, skipped: list[tuple[str, str]] = ()) -> torch.Tensor | None:
-        """silo-sim's true labels of the unlabeled images (for the pseudo-label accuracy), one per staged file in
-        list_image_files order: those of files the loader skipped as unreadable are dropped, not all of them."""
-        if self.s.sim_labels is None:
-            return None
-        labels = json.loads(Path(self.s.sim_labels).read_text())
-        if skipped and self.s.data is not None and len(labels) == n + len(skipped):
-            gone = {Path(path).resolve() for path, _ in skipped}
-            files = list_image_files(self.s.data)
-            if len(files) == len(labels):
-                labels = [label for path, label in zip(files, labels, strict=True) if path.resolve() not in gone]
-        if len(labels) != n:
-            self.log.warning("simulation labels (%d) do not match the %d images loaded; ignoring them", len(labels), n)
-            return None
-        return torch.tensor(labels, dtype=torch.int64)
 
     # ------------------------------------------------------------------ one task
     def _download(self, task: silo_pb2.Task) -> dict[str, torch.Tensor]:
