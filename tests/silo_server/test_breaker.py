@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from silo_server.cli import main as server_main
 from silo_server.rounds.breaker import BreakerHunt, QuarantineList
 from silo_server.rounds.privacy import PrivacySection
 from tests.silo_server.test_hostile_silo import HostileSecAggSilo, _wait
-from tests.silo_server.test_privacy import D, Silo, make
+from tests.silo_server.test_privacy import D, Silo, make, round_until_stopped
 
 
 def test_group_testing_finds_one_breaker_in_about_log2_attempts():
@@ -62,9 +61,7 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=weight)]
     for s in silos:
         s.start()
-    state = hub.rounds.resume_or_init()
-    runner = threading.Thread(target=lambda: _run_quietly(hub, state), daemon=True)
-    runner.start()
+    runner, _ = round_until_stopped(hub)
     _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
     hub.stop()
     runner.join(10)
@@ -79,13 +76,6 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     again = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)
     assert again.rounds.resume_or_init().round == 0
     assert again.rounds.hunt.to_json() == hub.rounds.hunt.to_json()
-
-
-def _run_quietly(hub, state):
-    try:
-        hub.rounds.run_round(state)
-    except InterruptedError:
-        pass
 
 
 def test_a_secure_aggregation_breaker_among_six_honest_silos_is_quarantined_and_the_run_finishes(tmp_path, caplog):

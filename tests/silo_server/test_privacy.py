@@ -564,12 +564,7 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
     ]:
         hub = make(tmp_path / why[:5], section, min_silos=3)
         silos = [Silo(hub, f"s{i}", 0.0) for i in range(3)]
-        def round_until_stopped(h=hub):
-            with pytest.raises(InterruptedError):
-                h.rounds.run_round(h.rounds.resume_or_init())
-
-        thread = threading.Thread(target=round_until_stopped, daemon=True)
-        thread.start()
+        thread, stopped = round_until_stopped(hub)
         view = hub.next_task("s0", hub.run_id, wait_s=5)
         assert view.kind == "TRAIN"
         task = silo_pb2.Task(task_id=view.task_id, round=view.round)
@@ -580,6 +575,7 @@ def test_the_hub_refuses_clear_results_in_a_secure_round_and_unclipped_ones_unde
         assert hub.registry.refusals == {"bad_secagg" if section.secure_aggregation.enabled else "clip_norm": 1}
         hub.stop()
         thread.join(5)
+        assert stopped == [True]
 
 
 def test_client_dp_refuses_clip_tensors_that_name_none_of_the_updates_tensors():
