@@ -62,6 +62,25 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
+# RandAugment works per op group (many tiny tensor steps a batch). On a GPU each is a kernel launch and many wait on
+# the host (boolean masks, numbers drawn on the CPU): a SemiFL step at 28 px spent most of its 50 ms there on an
+# H200, while 2 CPU cores augment a batch of 32 such images in 3 ms. So images of up to this many values each are
+# augmented on the CPU before the copy; bigger ones, whose arithmetic outweighs the launches (224 px RGB: 139 ms a
+# batch of 32 on 2 CPU cores), on the device (bench/README.md, "Augmenting where it is cheaper").
+AUGMENT_ON_CPU_MAX_VALUES = 3 * 64 * 64
+
+
+def augmentation_batch(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The uint8 batch ``x`` (read on the CPU) where it is cheaper to augment for training on ``device``."""
+    small = len(x) == 0 or x[0].numel() <= AUGMENT_ON_CPU_MAX_VALUES
+    return x if small else to_device(x, device)
+
+
+def model_input(x: torch.Tensor, device: torch.device, mean: list[float], std: list[float]) -> torch.Tensor:
+    """An (augmented) uint8 batch as the model's normalised float input on ``device``: pixels travel as bytes."""
+    return to_float(to_device(x, device), mean, std)
+
+
 # Whole-set passes (pseudo-labelling, scoring, static BN statistics) go in batches of at most this many input
 # values: 500 images up to 64 px RGB, as always, and fewer for bigger images, whose feature maps would otherwise
 # take gigabytes (500 images of 224 px through small_cnn: 1.6 GB for one of them; 41 images here).
@@ -186,7 +205,8 @@ def train_supervised(
         for idx, x in image_batches(images, order, pinned(device)):
             if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                 continue
-            x = to_float(weak_augment(to_device(x, device), flip=flip, generator=generator), mean, std)
+            x = model_input(weak_augment(augmentation_batch(x, device), flip=flip, generator=generator), device,
+                            mean, std)
             with autocast(device):
                 loss = F.cross_entropy(model(x), labels[idx].to(device))
             sgd_step(model, optimizer, loss, opt.grad_clip)
@@ -220,11 +240,10 @@ def predict_logits(
     for idx, x in image_batches(images, order, pinned(device)):
         if len(idx) == 0:
             continue
-        x = to_device(x, device)
         if weak:
-            x = weak_augment(x, flip=flip, generator=generator)
+            x = weak_augment(augmentation_batch(x, device), flip=flip, generator=generator)
         with autocast(device):
-            logits = model(to_float(x, mean, std)).float().cpu()
+            logits = model(model_input(x, device, mean, std)).float().cpu()
         if out is None:
             out = torch.zeros(len(images), logits.shape[1])
         out[idx] = logits

@@ -46,21 +46,22 @@ from silo_core.algorithms.base import (
     weighted_delta,
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
-from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.augment import strong_augment, weak_augment
 from silo_core.data import image_batches
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     LocalWork,
+    augmentation_batch,
     autocast,
     clean_batches,
     make_sgd,
+    model_input,
     on_device,
     pinned,
     seeded_generator,
     sgd_step,
     shuffled_batches,
-    to_device,
     train_supervised,
 )
 
@@ -185,13 +186,13 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
             for idx, x in image_batches(data.images, shuffled_batches(n, o.silo_batch_size, gen), pinned(device)):
                 if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                     continue
-                x = to_device(x, device)
+                x = augmentation_batch(x, device)
                 weak = weak_augment(x, flip=o.flip, generator=gen)
                 strong = strong_augment(x, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                         cutout=o.cutout, flip=o.flip, generator=gen)
                 with autocast(device):
                     # Pseudo-labels come from the model being trained, batch by batch: the vanilla choice.
-                    logits = model(to_float(torch.cat([weak, strong]), spec.mean, spec.std))
+                    logits = model(model_input(torch.cat([weak, strong]), device, spec.mean, spec.std))
                     loss, pseudo, mask = fixmatch_loss(logits[: len(idx)], logits[len(idx):], o.tau)
                 sgd_step(model, optimizer, o.unlabeled_weight * loss, o.grad_clip)
                 metrics["pl_total"] += len(idx)

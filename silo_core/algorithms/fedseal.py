@@ -55,22 +55,23 @@ from silo_core.algorithms.base import (
     weighted_delta,
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
-from silo_core.augment import strong_augment, to_float, weak_augment
+from silo_core.augment import strong_augment, weak_augment
 from silo_core.data import ImageFiles, Images, image_batches, readable
 from silo_core.rounds import threshold_metric
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     LocalWork,
+    augmentation_batch,
     autocast,
     hub_update,
     make_sgd,
+    model_input,
     on_device,
     pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
-    to_device,
 )
 
 log = logging.getLogger("silo_core.fedseal")
@@ -413,7 +414,7 @@ class FedSEALSilo(SiloAlgorithm):
             for b, x in image_batches(data.images, order, pinned(device)):
                 if len(b) < 2:  # unreadable files left fewer images than batch norm needs
                     continue
-                x = to_device(x, device)
+                x = augmentation_batch(x, device)
                 in_pos, in_neg = positive[b], negative[b]
                 bp, bn = b[in_pos], b[in_neg]
                 strong = strong_augment(x[in_pos.to(x.device)], num_ops=o.randaugment_ops,
@@ -421,7 +422,7 @@ class FedSEALSilo(SiloAlgorithm):
                                         generator=gen)
                 weak = weak_augment(x[in_neg.to(x.device)], flip=o.flip, generator=gen)
                 with autocast(device):
-                    logits = model(to_float(torch.cat([strong, weak]), spec.mean, spec.std))
+                    logits = model(model_input(torch.cat([strong, weak]), device, spec.mean, spec.std))
                     loss = torch.zeros((), device=device)
                     if len(bp):
                         loss = loss + lam * F.cross_entropy(logits[: len(bp)], y_pos[bp].to(device))

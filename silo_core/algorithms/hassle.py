@@ -56,23 +56,24 @@ from silo_core.algorithms.base import (
     weighted_delta,
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
-from silo_core.augment import to_float, weak_augment
+from silo_core.augment import weak_augment
 from silo_core.data import Images, image_batches, readable
 from silo_core.models import ModelSpec, head_names
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
     LocalWork,
+    augmentation_batch,
     autocast,
     clean_batches,
     make_sgd,
+    model_input,
     on_device,
     pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
-    to_device,
     train_supervised,
 )
 
@@ -318,7 +319,8 @@ class HASSLESilo(SiloAlgorithm):
             for idx, x in image_batches(images, shuffled_batches(len(images), o.batch_size, gen), pinned(device)):
                 if len(idx) < 2:  # unreadable files left fewer images than batch norm needs
                     continue
-                x = to_float(weak_augment(to_device(x, device), flip=o.flip, generator=gen), spec.mean, spec.std)
+                x = model_input(weak_augment(augmentation_batch(x, device), flip=o.flip, generator=gen), device,
+                                spec.mean, spec.std)
                 y = labels[idx].to(device)
                 # The global models are fixed teachers this round, run in float32 even on a GPU: the residual learns
                 # partner + partner_res - base, a difference of near-equal logits that bfloat16 would round away.

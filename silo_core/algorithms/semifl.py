@@ -48,17 +48,18 @@ from silo_core.tensors import TensorSpec
 from silo_core.training import (
     LocalWork,
     OptimizerSettings,
+    augmentation_batch,
     autocast,
     cosine_lr,
     hub_update,
     make_sgd,
+    model_input,
     on_device,
     pinned,
     predict_logits,
     seeded_generator,
     sgd_step,
     shuffled_batches,
-    to_device,
 )
 
 
@@ -293,16 +294,17 @@ class SemiFLSilo(SiloAlgorithm):
                     m = len(fb)
                     if m < 2:
                         continue
-                x_fix, x_partner = to_device(x_fix, device), to_device(x_partner, device)
+                x_fix, x_partner = augmentation_batch(x_fix, device), augmentation_batch(x_partner, device)
                 lam = mix_rng.betavariate(o.mix_alpha, o.mix_alpha)
                 strong = strong_augment(x_fix, num_ops=o.randaugment_ops, magnitude=o.randaugment_magnitude,
                                         cutout=o.cutout, flip=o.flip, generator=gen)
-                weak_fix = to_float(weak_augment(x_fix, flip=o.flip, generator=gen), spec.mean, spec.std)
-                weak_partner = to_float(weak_augment(x_partner, flip=o.flip, generator=gen), spec.mean, spec.std)
+                views = [strong, weak_augment(x_fix, flip=o.flip, generator=gen),
+                         weak_augment(x_partner, flip=o.flip, generator=gen)]
+                x_strong, weak_fix, weak_partner = model_input(torch.cat(views), device, spec.mean, spec.std).split(m)
                 x_mix = lam * weak_fix + (1.0 - lam) * weak_partner
                 with autocast(device):
                     # One forward pass over both views: cheaper, and BN sees a batch of 2m.
-                    logits = model(torch.cat([to_float(strong, spec.mean, spec.std), x_mix]))
+                    logits = model(torch.cat([x_strong, x_mix]))
                     loss_fix = F.cross_entropy(logits[:m], y_fix[fb].to(device))
                     loss_mix = mix_loss(logits[m:], y_fix[fb].to(device), y_partner[mb].to(device), lam)
                     loss = loss_fix + o.mix_weight * loss_mix

@@ -12,9 +12,17 @@ import torch
 from silo_core.algorithms import ALGORITHMS
 from silo_core.algorithms.base import HubData, RoundPlan, SiloData, model_tensors
 from silo_core.algorithms.semifl import SemiFLOptions, SemiFLSilo
+from silo_core.augment import strong_augment, weak_augment
 from silo_core.data import load_labeled_folder, load_unlabeled_folder
 from silo_core.models import ModelSpec
-from silo_core.training import autocast, evaluate, on_device, pinned
+from silo_core.training import (
+    AUGMENT_ON_CPU_MAX_VALUES,
+    augmentation_batch,
+    autocast,
+    evaluate,
+    on_device,
+    pinned,
+)
 from tests.silo_core.test_lazy_data import write_folder
 
 SIZE = 32
@@ -31,12 +39,26 @@ def test_the_cpu_path_takes_no_autocast_no_channels_last_and_no_pinning():
     assert all(p.is_contiguous() for p in model.parameters())
 
 
-def semifl_update(images, device: torch.device) -> dict[str, torch.Tensor]:
+def test_small_images_are_augmented_on_the_cpu_and_big_ones_on_the_training_device():
+    # The meta device stands in for a GPU: a batch "moved" there has no data, only its device.
+    meta = torch.device("meta")
+    mnist, cifar = torch.zeros(32, 1, 28, 28, dtype=torch.uint8), torch.zeros(32, 3, 32, 32, dtype=torch.uint8)
+    at_64 = torch.zeros(4, 3, 64, 64, dtype=torch.uint8)
+    assert at_64[0].numel() == AUGMENT_ON_CPU_MAX_VALUES
+    for small in (mnist, cifar, at_64, torch.zeros(0, 3, 224, 224, dtype=torch.uint8)):
+        assert augmentation_batch(small, meta) is small
+    for big in (torch.zeros(4, 3, 65, 64, dtype=torch.uint8), torch.zeros(2, 3, 224, 224, dtype=torch.uint8)):
+        assert augmentation_batch(big, meta).device == meta
+    assert augmentation_batch(at_64, CPU) is at_64
+
+
+def semifl_update(images, device: torch.device, spec: ModelSpec = SPEC, **options) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    plan = RoundPlan(round=1, tensors=model_tensors(SPEC.build()), hyperparameters={"lr": 0.02, "seed": 1},
+    plan = RoundPlan(round=1, tensors=model_tensors(spec.build()), hyperparameters={"lr": 0.02, "seed": 1},
                      expected={})
-    options = SemiFLOptions(tau=0.0, local_epochs=1, silo_batch_size=8, randaugment_ops=0, cutout=0.0)
-    result = SemiFLSilo(options, SPEC, device).local_update(plan, SiloData(images=images, silo_id="s"))
+    options = SemiFLOptions(**{"tau": 0.0, "local_epochs": 1, "silo_batch_size": 8, "randaugment_ops": 0,
+                               "cutout": 0.0, **options})
+    result = SemiFLSilo(options, spec, device).local_update(plan, SiloData(images=images, silo_id="s"))
     assert not result.skipped and result.metrics["pl_total"] == len(images)
     return result.tensors
 
@@ -62,6 +84,36 @@ def test_a_semifl_update_on_cuda_agrees_with_the_cpu(tmp_path: Path):
         assert all(t.device.type == "cpu" and t.is_contiguous() and torch.isfinite(t).all() for t in tensors.values())
         # bfloat16 and GPU kernels change the numbers a little, not the direction of the update.
         assert cosine(tensors, on_cpu) > 0.8
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(16, 1, 28, 28), (16, 3, 96, 96)])
+def test_the_augmentations_give_the_same_pixels_on_cuda_as_on_the_cpu(shape):
+    # Whichever side augments (training.augmentation_batch), a seed must give the same views.
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    views = {}
+    for device in (CPU, torch.device("cuda")):
+        gen = torch.Generator().manual_seed(1)
+        views[device.type] = [strong_augment(x.to(device), generator=gen).cpu(),
+                              weak_augment(x.to(device), generator=gen).cpu()]
+    for on_cpu, on_gpu in zip(views["cpu"], views["cuda"], strict=True):
+        # Nearest-neighbour warps may pick the other pixel where a coordinate lands on a pixel's edge.
+        assert (on_cpu != on_gpu).float().mean() < 0.01
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_semifl_update_with_randaugment_on_cuda_agrees_with_the_cpu_for_images_augmented_on_the_gpu(tmp_path: Path):
+    size = 72  # above training.AUGMENT_ON_CPU_MAX_VALUES: these batches are augmented on the GPU
+    spec = ModelSpec(num_classes=3, in_channels=3, image_size=size, mean=[0.5] * 3, std=[0.5] * 3,
+                     options={"width": 8})
+    write_folder(tmp_path / "u", 32)
+    images = load_unlabeled_folder(tmp_path / "u", size, 3).images
+    on_cpu = semifl_update(images, CPU, spec, randaugment_ops=2, cutout=0.5)
+    on_gpu = semifl_update(images, torch.device("cuda"), spec, randaugment_ops=2, cutout=0.5)
+    assert all(torch.isfinite(t).all() for t in on_gpu.values())
+    assert cosine(on_gpu, on_cpu) > 0.8
 
 
 @pytest.mark.gpu
