@@ -57,8 +57,8 @@ def pinned(device: torch.device) -> bool:
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on ``device``; asynchronous from pinned memory. The augmentations then run there too (they draw
-    their random numbers on the CPU, so a seed gives the same draws on every device)."""
+    """A batch on ``device``; asynchronous from pinned memory. The augmentations draw their random numbers on the
+    CPU, so a seed gives the same views wherever they run (augmentation_batch chooses where)."""
     return x.to(device, non_blocking=True)
 
 
