@@ -30,7 +30,9 @@ from silo_core.dp_sgd import SampleDPConfig
 PROTOCOL_VERSION = 2
 # The first silokit release that speaks PROTOCOL_VERSION: what a refusal tells an operator to install.
 FIRST_RELEASE = {2: "0.2.0"}
-TYPED_TERMS, SIGNED_SECAGG, POLICY = "typed_terms", "signed_secagg", "policy"
+# signed_secagg_2: signed keys and survivor sets that also bind the session's parameters (its quantization rules,
+# ring, k and t: security/secagg/messages.session_parameters); a silo of the first signed form cannot take part.
+TYPED_TERMS, SIGNED_SECAGG, POLICY = "typed_terms", "signed_secagg_2", "policy"
 FEATURES = (TYPED_TERMS, SIGNED_SECAGG, POLICY)
 
 # The clauses a refusal may name: the hub counts refusals by these labels only (anything else a silo sends is

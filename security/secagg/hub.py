@@ -284,6 +284,10 @@ class HubSession:
             raise self._abandon(f"silo(s) {', '.join(short[:5])} have fewer than t = {self.threshold} neighbours "
                                 f"left to reveal their secrets after {stage}")
 
+    def parameters(self) -> str:
+        """The fingerprint of the parameters every roster of this session shows (messages.session_parameters)."""
+        return msg.session_parameters(self.bits, self.degree, self.threshold, self.rules)
+
     # ------------------------------------------------------------------ stage 3: consistency
     def receive_consistency(self, silo_id: str, payload: bytes) -> None:
         """A member of U3 acknowledges U3; in a signed session its signature must verify over exactly U3."""
@@ -294,7 +298,7 @@ class HubSession:
                 raise msg.ProtocolError(f"silo {silo_id} did not sign the survivor set")
             try:
                 self.verifier.verify(silo_id, msg.unb64(self.identities[silo_id][0]),
-                                     survivors_statement(self.run_id, self.session, self.u3),
+                                     survivors_statement(self.run_id, self.session, self.u3, self.parameters()),
                                      msg.unb64(m.signature))
             except IdentityError as err:
                 raise msg.ProtocolError(f"silo {silo_id}'s signature over the survivor set does not verify: "

@@ -199,8 +199,9 @@ def advertise_statement(run_id: str, session: str, silo_id: str, c_pk: bytes, s_
                        "session": session, "silo": silo_id, "c_pk": c_pk.hex(), "s_pk": s_pk.hex()})
 
 
-def survivors_statement(run_id: str, session: str, survivors: Sequence[str]) -> bytes:
+def survivors_statement(run_id: str, session: str, survivors: Sequence[str], parameters: str) -> bytes:
     """What a silo signs at the consistency stage: the survivor set U3 it was shown (sorted, deduplicated, so
-    the same set always gives the same bytes), for this run and session only."""
+    the same set always gives the same bytes) and the session parameters it was shown
+    (messages.session_parameters), for this run and session only."""
     return _canonical({"protocol": PROTOCOL.decode(), "purpose": SURVIVORS_PURPOSE, "run": run_id,
-                       "session": session, "survivors": sorted(set(survivors))})
+                       "session": session, "survivors": sorted(set(survivors)), "parameters": parameters})

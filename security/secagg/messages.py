@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
-from typing import Annotated, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Annotated, Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -86,6 +88,26 @@ class Roster(_Msg):
     rules: list[RuleMsg]
     neighbours: list[NeighbourKeys]
 
+    def parameters(self) -> str:
+        return session_parameters(self.modulus_bits, self.degree, self.threshold, self.rules)
+
+
+class _RuleLike(Protocol):
+    pattern: str
+    clip: float
+    bits: int
+
+
+def session_parameters(modulus_bits: int, degree: int, threshold: int, rules: Sequence[_RuleLike]) -> str:
+    """A fingerprint of what every silo of a session must be shown alike: the ring, k, t and the quantization rules
+    in order. A hub that gave one silo a fine encoding and the others a one-bit encoding of a huge range could read
+    that silo's input out of an honest-looking sum (the others' levels would add at most n - 1 to it), so each share
+    carries its sender's fingerprint and each survivor-set signature covers the signer's: a silo refuses both from a
+    silo shown other parameters (security/secagg/silo.py)."""
+    shown = {"modulus_bits": modulus_bits, "degree": degree, "threshold": threshold,
+             "rules": [[r.pattern, float(r.clip), int(r.bits)] for r in rules]}
+    return hashlib.sha256(json.dumps(shown, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
 
 class SharedKeys(_Msg):
     session: str
@@ -100,6 +122,7 @@ class SharePlaintext(_Msg):
     x: int
     self_mask: str  # base64 Shamir share value of the self-mask seed
     masking_key: str  # base64 Shamir share value of the X25519 masking private key
+    parameters: str  # the sender's session_parameters(): the recipient refuses a share made under others
 
 
 class Inbox(_Msg):
@@ -114,7 +137,7 @@ class ConsistencyRequest(_Msg):
 
 class ConsistencySignature(_Msg):
     session: str
-    signature: SignatureB64 = ""  # over identity.survivors_statement(run, session, survivors)
+    signature: SignatureB64 = ""  # over identity.survivors_statement(run, session, survivors, parameters)
 
 
 class SignedSurvivors(_Msg):

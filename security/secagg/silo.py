@@ -31,6 +31,11 @@ and verifier given) adds two checks, so the hub can neither substitute keys nor 
   size about 2t + 2 - k, in a complete neighbourhood) one of the groups refuses and the hub never holds t shares
   of both b_v and s_sk_v.
 
+Signed or not, every share carries its sender's session parameters (messages.session_parameters: quantization
+rules, ring, k, t) and its recipient refuses one made under other parameters than its own roster's, before masking;
+signed survivor sets cover them too. Otherwise a hub could give one silo a fine encoding and every other silo a
+one-bit encoding of a huge range, and read that silo's input out of the sum.
+
 Unsigned sessions run the same stages (the consistency reply carries no signature) and still refuse an unmask
 request that contradicts the set they acknowledged, but cannot tell which silos saw which set.
 
@@ -165,6 +170,7 @@ class SiloSession:
             plain = msg.SharePlaintext(
                 session=self.session, sender=self.silo_id, recipient=n.silo_id, x=x,
                 self_mask=msg.b64(shamir.to_bytes(b_shares[x])), masking_key=msg.b64(shamir.to_bytes(sk_shares[x])),
+                parameters=roster.parameters(),
             )
             key = pr.agree(self._c_key, msg.unb64(n.c_pk, pr.KEY_BYTES), self.session, pr.SHARE_KEY,
                            self.silo_id, n.silo_id)
@@ -281,6 +287,10 @@ class SiloSession:
                                                                               self.silo_id)), self.session)
         if plain.sender != sender.silo_id or plain.recipient != self.silo_id or plain.x != self.roster.index:
             raise ValueError(f"share from {sender.silo_id} is labelled for someone else")
+        if plain.parameters != self.roster.parameters():
+            raise ValueError(f"neighbour {sender.silo_id} was shown other session parameters (quantization rules, "
+                             f"modulus, k or t) than this silo: a hub that encodes silos differently can read one "
+                             f"silo's input out of the sum")
         shamir.from_bytes(msg.unb64(plain.self_mask))
         shamir.from_bytes(msg.unb64(plain.masking_key))
         return plain
@@ -315,7 +325,8 @@ class SiloSession:
             raise self._abort(f"refusing the survivor set: {err}") from None
         signature = ""
         if self.identity is not None:
-            signature = msg.b64(self.identity.sign(survivors_statement(self.run_id, self.session, survivors)))
+            signature = msg.b64(self.identity.sign(survivors_statement(self.run_id, self.session, survivors,
+                                                                       self.roster.parameters())))
         self.survivors = survivors
         self.stage = Stage.CONSISTENT
         return msg.dump(msg.ConsistencySignature(session=self.session, signature=signature))
@@ -359,7 +370,7 @@ class SiloSession:
         is showing sets around that differ: refuse). Count distinct signers in the set: at least t of them among
         this silo's roster neighbours (under the certificate their keys came with), and max(min_cohort, t) in
         all, before anything is revealed."""
-        statement = survivors_statement(self.run_id, self.session, self.survivors)
+        statement = survivors_statement(self.run_id, self.session, self.survivors, self.roster.parameters())
         valid: set[str] = set()
         for entry in signatures:
             roster_cert = self._neighbour_certs.get(entry.silo_id)
@@ -371,8 +382,9 @@ class SiloSession:
             try:
                 self.verifier.verify(entry.silo_id, cert, statement, msg.unb64(entry.signature))
             except IdentityError as err:
-                raise ValueError(f"the signature of {entry.silo_id} does not verify over the survivor set this "
-                                 f"silo signed: the hub showed silos different sets ({err})") from None
+                raise ValueError(f"the signature of {entry.silo_id} does not verify over the survivor set and "
+                                 f"session parameters this silo signed: the hub showed silos different sets or "
+                                 f"parameters ({err})") from None
             if entry.silo_id in self.survivors:
                 valid.add(entry.silo_id)
         from_neighbours = len(valid & set(self._neighbour_certs))

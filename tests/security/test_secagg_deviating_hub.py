@@ -226,9 +226,17 @@ def test_identity_signs_and_verifies_and_names_each_cause(fed, tmp_path):
     with pytest.raises(IdentityError, match="outside its validity window"):
         v.verify("expired", expired.cert_der, data, expired.sign(data))
     # the signed bytes: canonical, domain-separated, bound to run and session; a set in any order is one set
-    assert survivors_statement(RUN, "s", ["b", "a", "b"]) == survivors_statement(RUN, "s", ["a", "b"])
-    assert len({survivors_statement(RUN, "s", ["a"]), survivors_statement("run-2", "s", ["a"]),
-                survivors_statement(RUN, "t", ["a"]), advertise_statement(RUN, "s", "a", bytes(32), bytes(32))}) == 4
+    p = msg.session_parameters(32, 3, 2, PARAMS.rules())
+    assert survivors_statement(RUN, "s", ["b", "a", "b"], p) == survivors_statement(RUN, "s", ["a", "b"], p)
+    assert len({survivors_statement(RUN, "s", ["a"], p), survivors_statement("run-2", "s", ["a"], p),
+                survivors_statement(RUN, "t", ["a"], p), advertise_statement(RUN, "s", "a", bytes(32), bytes(32)),
+                survivors_statement(RUN, "s", ["a"], msg.session_parameters(32, 3, 2, [Rule("*", 1.0, 15)]))}) == 5
+    # every part of the parameters counts: the ring, k, t, and each rule's pattern, range and width, in order
+    two = [Rule("weight", 1024.0, 20), Rule("*", 1.0, 20)]
+    variants = [(32, 3, 2, two), (64, 3, 2, two), (32, 4, 3, two), (32, 3, 3, two), (32, 3, 2, two[::-1]),
+                (32, 3, 2, [two[0], Rule("*", 2.0, 20)]), (32, 3, 2, [two[0], Rule("*", 1.0, 19)]),
+                (32, 3, 2, [two[0], Rule("delta/*", 1.0, 20)])]
+    assert len({msg.session_parameters(*v) for v in variants}) == len(variants)
     with pytest.raises(ValueError, match="needs a verifier"):
         SiloSession("s", "silo-01", identity=alice)
     with pytest.raises(ValueError, match="needs a verifier"):
@@ -250,7 +258,7 @@ def test_the_hub_drops_a_silo_whose_signatures_do_not_verify_before_anyone_sees_
     # and a consistency signature over another set than U3
     d = Driver(fed, 5, session="h2")
     d.to_masked()
-    other = fed.identities["silo-01"].sign(survivors_statement(RUN, "h2", d.ids[1:]))
+    other = fed.identities["silo-01"].sign(survivors_statement(RUN, "h2", d.ids[1:], d.hub.parameters()))
     with pytest.raises(ProtocolError, match="survivor set does not verify"):
         d.hub.receive_consistency("silo-01", msg.dump(msg.ConsistencySignature(session="h2",
                                                                                signature=msg.b64(other))))
@@ -330,7 +338,8 @@ def test_a_hub_that_surrounds_a_silo_with_keys_of_its_own(fed, signed):
     inbox = {}
     for j in fake_c:
         plain = msg.SharePlaintext(session=d.session, sender=j, recipient=x, x=roster["index"],
-                                   self_mask=msg.b64(shamir.to_bytes(7)), masking_key=msg.b64(shamir.to_bytes(9)))
+                                   self_mask=msg.b64(shamir.to_bytes(7)), masking_key=msg.b64(shamir.to_bytes(9)),
+                                   parameters=d.hub.parameters())
         key = pr.agree(fake_c[j], c_pk_x, d.session, pr.SHARE_KEY, j, x)
         inbox[j] = msg.b64(pr.seal(key, msg.dump(plain), share_aad(d.session, j, x)))
     d.keep_masked(x, d.silos[x].masked_input(msg.dump(msg.Inbox(session=d.session, shares=inbox)), d.inputs[x]))
@@ -354,7 +363,8 @@ def split_views(d: Driver) -> tuple[dict[str, str], dict[str, str], dict]:
     on_s1 = {j: signatures[j] for j in [V, *GROUP_A, *COLLUDERS]}
     on_s2 = {j: signatures[j] for j in GROUP_B}
     for c in COLLUDERS:
-        on_s2[c] = msg.b64(d.fed.identities[c].sign(survivors_statement(d.run_id, d.session, without_v))) \
+        on_s2[c] = msg.b64(d.fed.identities[c].sign(survivors_statement(d.run_id, d.session, without_v,
+                                                                         d.hub.parameters()))) \
             if d.signed else ""
     corrupt = {c: (d.silos[c]._received[V], d.silos[c]._s_key) for c in COLLUDERS}
     return on_s1, on_s2, corrupt
@@ -407,9 +417,11 @@ def test_signatures_over_another_survivor_set_are_refused_naming_the_signer(fed)
     replies = d.unmask(requests)
     assert not replies and set(d.aborted) == set(GROUP_A + GROUP_B)
     for i in GROUP_A:  # shown S1: the B silos' signatures are over S2
-        assert "the signature of silo-03 does not verify over the survivor set this silo signed" in d.aborted[i]
+        assert "the signature of silo-03 does not verify over the survivor set and session parameters this silo " \
+               "signed" in d.aborted[i]
     for i in GROUP_B:  # shown S2: V's signature is over S1
-        assert f"the signature of {V} does not verify over the survivor set this silo signed" in d.aborted[i]
+        assert f"the signature of {V} does not verify over the survivor set and session parameters this silo " \
+               "signed" in d.aborted[i]
     assert len(stolen([p for p, _ in corrupt.values()], "masking_key")) == 2 < d.hub.threshold
 
 
@@ -533,6 +545,48 @@ def test_a_silo_never_reveals_both_shares_of_a_neighbour(fed, signed):
         d.silos["silo-02"].unmask(d.unmask_request("silo-02", set(d.ids) - {"silo-00"}, signatures))
     with pytest.raises(SecAggError, match="stage aborted"):
         d.silos["silo-02"].unmask(d.unmask_request("silo-02", d.ids, signatures))
+
+
+# ------------------------------------------------------------------------------------------------ 7. one encoding
+def coarse_for_all_but(d: Driver, victim: str) -> dict[str, bytes]:
+    """The rosters of a hub that gives `victim` the run's rules and every other silo a one-bit encoding of a huge
+    range: their levels (0 or 1 each) would add at most n - 1 to the unmasked sum, which would then read as the
+    victim's input to within (n - 1) / 2 levels. On the code before this check, 8 silos' sum gave the hub the
+    victim's input to within 1.2e-4 (values up to 0.9, 16 bits), with no silo colluding."""
+    coarse = [msg.RuleMsg(pattern="*", clip=1e6, bits=1)]
+    return {i: r if i == victim else msg.dump(msg.Roster.model_validate_json(r).model_copy(update={"rules": coarse}))
+            for i, r in d.advertise().items()}
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_hub_that_encodes_one_silo_differently_gets_no_masked_input_from_anyone(fed, signed):
+    d = Driver(fed, 8, session="encoding", signed=signed)
+    victim = "silo-00"
+    d.share(coarse_for_all_but(d, victim))
+    assert d.hub.degree == 7 and not d.aborted  # a complete graph: every silo holds a share of every other
+    d.mask(d.hub.close_share_keys())
+    assert d.masked == {} and set(d.aborted) == set(d.ids)
+    for i, reason in d.aborted.items():
+        assert "refusing the inbox" in reason and "was shown other session parameters (quantization rules, " \
+               "modulus, k or t) than this silo" in reason
+        assert ("neighbour silo-01 " if i == victim else f"neighbour {victim} ") in reason
+
+
+def test_a_hub_that_also_withholds_the_shares_that_would_give_it_away_leaves_the_victim_out(fed):
+    """The hub keeps the victim's shares from the others and theirs from the victim: the others' round goes on
+    without it, and the victim, short of t shares, never masks its input."""
+    d = Driver(fed, 8, session="withheld")
+    victim = "silo-00"
+    d.share(coarse_for_all_but(d, victim))
+    inboxes = {}
+    for i, inbox in d.hub.close_share_keys().items():
+        shares = msg.Inbox.model_validate_json(inbox).shares
+        kept = {} if i == victim else {j: c for j, c in shares.items() if j != victim}
+        inboxes[i] = msg.dump(msg.Inbox(session=d.session, shares=kept))
+    d.mask(inboxes)
+    assert victim not in d.masked and set(d.aborted) == {victim}
+    assert "only 0 neighbours shared keys, threshold 5" in d.aborted[victim]
+    assert len(d.masked) == 7  # the others, under one encoding among themselves
 
 
 # ------------------------------------------------------------------------------------------------ honest rounds
