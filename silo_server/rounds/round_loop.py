@@ -115,7 +115,9 @@ class SiloCalls:
     def collect(self, loop: RoundLoop, task: ActiveTask) -> None:
         """Until every sampled silo reported or is known gone (revoked, aborted), or the deadline; and once the
         round's quorum has reported, no longer than loop.wait_after_quorum(task) more: a silo that stays silent
-        (or whose result was refused) cannot hold every round it is sampled in to the deadline."""
+        (or whose result was refused) cannot hold every round it is sampled in to the deadline. A quorum lost
+        again (under secure aggregation a silo that reported its keys may still abort) restarts the count, so a
+        silo that reports early and then aborts cannot close the round below its quorum while others train."""
         need = loop.round_quorum(task)
         quorum_at = None
         with loop.cond:
@@ -123,7 +125,9 @@ class SiloCalls:
                 if loop.stop_event.is_set():
                     raise InterruptedError("hub stopping")
                 now = time.time()
-                if quorum_at is None and len(task.reported - task.gone) >= need:
+                if len(task.reported - task.gone) < need:
+                    quorum_at = None
+                elif quorum_at is None:
                     quorum_at = now
                 if quorum_at is not None and now - quorum_at >= loop.wait_after_quorum(task):
                     task.quorum_wait = now - quorum_at
@@ -208,24 +212,27 @@ class RoundLoop:
         return self.privacy.fewest_sampled() if self.privacy is not None else 1
 
     # ------------------------------------------------------------------ silos leaving a round
-    def leave_round(self, silo_id: str) -> None:
-        """Count a sampled silo out of the current round (call under the lock)."""
+    def leave_round(self, silo_id: str) -> bool:
+        """Count a sampled silo out of the current round (call under the lock). False when it was not in it."""
         t = self.task
         if t is None or silo_id not in t.sampled or silo_id in t.gone:
-            return
+            return False
         if silo_id in t.reported and (t.privacy is None or t.privacy.session is None):
-            return  # its result is in the sums already (under secure aggregation a report is only its keys)
+            return False  # its result is in the sums already (under secure aggregation a report is only its keys)
         t.gone.add(silo_id)
         if t.privacy is not None:
             HubPrivacy.drop(t.privacy, silo_id)
+        return True
 
     def evict(self, silo_id: str) -> None:
         """A silo whose certificate was revoked: never sampled again (its record stays for the model card), and it
-        leaves the current round at once, so the round goes on with the rest instead of waiting out its deadline."""
+        leaves the current round at once, so the round goes on with the rest instead of waiting out its deadline.
+        Only a change wakes the waiting long-polls: a revoked silo calling back to back (each call refused at the
+        gate, before any rate limit) must not make every waiting silo's poll run again per call."""
         with self.cond:
-            self.registry.revoke(silo_id, in_round=self.task is not None and silo_id in self.task.sampled)
-            self.leave_round(silo_id)
-            self.cond.notify_all()
+            revoked = self.registry.revoke(silo_id, in_round=self.task is not None and silo_id in self.task.sampled)
+            if self.leave_round(silo_id) or revoked:
+                self.cond.notify_all()
 
     def check_revocations(self) -> None:
         """Evict every silo of the current round whose certificate the CRL now lists (a silo busy training makes

@@ -320,16 +320,17 @@ class SiloRegistry:
         with self.cond:
             return {s: r.left for s, r in self.silos.items() if r.left is not None}
 
-    def revoke(self, silo_id: str, in_round: bool) -> None:
+    def revoke(self, silo_id: str, in_round: bool) -> bool:
         """A silo whose certificate was revoked is never live again (its record stays for the model card). Call
-        under the lock; `in_round` only words the log line."""
+        under the lock; `in_round` only words the log line. False when there was nothing left to revoke."""
         record = self.silos.get(silo_id)
-        if record is None:
-            return
+        if record is None or (not record.last_seen and record.serial is None):
+            return False
         if record.last_seen:
             log.warning("silo %s is revoked: it leaves the run%s", silo_id, " and its round" if in_round else "")
         record.last_seen = 0.0
         record.serial = None
+        return True
 
     def revoked(self, silo_id: str) -> bool:
         """Whether the CRL now lists the certificate of the silo's live session."""

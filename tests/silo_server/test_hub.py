@@ -431,6 +431,35 @@ def test_once_the_quorum_reported_a_silent_or_refused_silo_holds_the_round_only_
     assert RoundRecord.from_json(record.to_json()).silos_left_out == ("c",)
 
 
+def test_a_quorum_lost_again_does_not_close_the_round_while_others_may_still_report():
+    """Under secure aggregation a silo that reported (its keys) can still abort: the round must not close at
+    quorum + wait with fewer than the quorum while a sampled silo is still training."""
+    from silo_server.rounds.round_loop import SiloCalls
+    from silo_server.state.registry import ChangeCondition
+
+    cond = ChangeCondition()
+    task = SimpleNamespace(round=1, sampled={"a", "b", "c"}, reported={"a", "b"}, gone=set(), quorum_wait=None,
+                           deadline=time.time() + 60)
+    loop = SimpleNamespace(cond=cond, stop_event=threading.Event(), round_quorum=lambda t: 2,
+                           wait_after_quorum=lambda t: 0.3, check_revocations=lambda: None)
+
+    def later():
+        time.sleep(0.1)
+        with cond:  # b aborts: the quorum is lost
+            task.gone.add("b")
+            cond.notify_all()
+        time.sleep(1.0)  # more than the wait after the quorum
+        with cond:
+            task.reported.add("c")
+            cond.notify_all()
+
+    silos = threading.Thread(target=later)
+    silos.start()
+    SiloCalls().collect(loop, task)
+    silos.join()
+    assert task.reported - task.gone == {"a", "c"} and task.quorum_wait is None  # closed by c, not by the wait
+
+
 def test_by_default_the_round_waits_twice_its_median_report_time_and_at_least_ten_seconds(tmp_path):
     from silo_server.rounds.round_loop import QUORUM_WAIT_FLOOR_S
 

@@ -202,9 +202,15 @@ def test_a_revoked_silo_that_keeps_calling_is_counted_each_time_and_logged_once(
     f = federation
     pki.revoke(f.ca, "attacker")
     shutil.copy(f.ca / "crl.pem", f.hub_bundle / "crl.pem")
-    codes = [_code(_poll(f.stubs["attacker"], f.hub, timeout=5)) for _ in range(30)]
+    wakes = []  # each wake re-runs every waiting silo's long-poll
+    f.hub.cond.listeners.append(lambda: wakes.append(1))
+    try:
+        codes = [_code(_poll(f.stubs["attacker"], f.hub, timeout=5)) for _ in range(30)]
+    finally:
+        f.hub.cond.listeners.pop()
     assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
     assert f.hub.registry.refusals["revoked"] == 30
+    assert len(wakes) <= 2  # its eviction, once: not one wake-all per refused call
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused revoked from attacker")]
     assert len(lines) == 1  # not 30
 
