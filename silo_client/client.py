@@ -86,6 +86,15 @@ def run_here(work: Callable[..., Any], *args: Any) -> Any:
     return work(*args)
 
 
+def described(run: silo_pb2.RunDescription) -> bytes:
+    """The run description less the hub's wire setting (chunk_bytes, which a restarted hub may change): what a
+    silo's checks of a run (its policy, the model it may build) were made on."""
+    copy = silo_pb2.RunDescription()
+    copy.CopyFrom(run)
+    copy.chunk_bytes = 0
+    return copy.SerializeToString(deterministic=True)
+
+
 class SiloClient:
     """One silo. `run_work` runs its heavy work (loading its images, each task: download, training, upload):
     here, on the silo's own thread, by default. silo-sim hosts many silos in one process and passes a function that
@@ -136,10 +145,11 @@ class SiloClient:
         self.factories = allowed_factories(self.policy, settings.model_factories)
         self.pinned: silo_pb2.PrivacyTerms | None = None  # the run's terms, checked and pinned at its first join
         self.pinned_for = ""  # that run's id
+        self.accepted = b""  # described() of the run description (and the hub's identity) its terms were checked with
         self.stub = silo_pb2_grpc.FederationStub(self.channel)
         self.outbox = Outbox(self.stub, self.audit, self.policy, self.hub_check.identity)
         self.run: silo_pb2.RunDescription | None = None
-        self.model_checked_for = ""  # the run whose model this silo checked it may and can build
+        self.model_checked_for = b""  # described() of the run whose model this silo checked it may and can build
         self.silo_id = ""
         self.algorithm: SiloAlgorithm | None = None
         self.data: SiloData | None = None
@@ -202,7 +212,8 @@ class SiloClient:
         else:
             self.run_work(self._prepare, run)
             run = self._announce(preparing=False)  # with the counts of the images that did load
-            self.run_work(self._set_up, run)  # again: the run may have been replaced (a hub restart) meanwhile
+            self._accept_terms(run)  # the run may have been replaced or described otherwise (a hub restart) meanwhile
+            self.run_work(self._set_up, run)
         self.metrics.joined(str(self.device), len(self.data.images), self.skipped_images)
 
     def _load_if_deferred(self) -> None:
@@ -241,7 +252,9 @@ class SiloClient:
     def _accept_terms(self, run: silo_pb2.RunDescription) -> None:
         """Check a run's privacy terms against this branch's policy, before any image is read, and pin them for
         the run; a later join of the same run (the hub restarted) must state the same terms. Leaves (SiloLeft)
-        when they fall short."""
+        when they fall short. A later join that describes the same run otherwise (another algorithm, model or
+        factory, upload size; another hub certificate) is checked against the policy again, and its model again."""
+        accepted = described(run) + self.hub_check.seen.fingerprint.encode()
         if self.pinned is not None and run.run_id == self.pinned_for:
             if terms_sha256(run.terms) != terms_sha256(self.pinned):
                 self._leave(Refusal("breach", "terms", terms_sha256(self.pinned)[:16], terms_sha256(run.terms)[:16],
@@ -250,7 +263,8 @@ class SiloClient:
             # The chunk size is the hub's wire setting, not a term: a hub restarted with another wire.chunk_bytes
             # accepts only the new size.
             self.outbox.pin(run.run_id, terms_sha256(self.pinned), int(run.chunk_bytes))
-            return
+            if accepted == self.accepted:
+                return
         if run.protocol_version < PROTOCOL_VERSION:
             # Protocol 1 carried privacy instructions as a JSON string this silo no longer reads: following such a
             # hub could send a result in the clear that it meant to be masked or noised.
@@ -283,7 +297,7 @@ class SiloClient:
                                 client_epsilon_one_round=one_round, model_bytes=least_update_bytes(run))
             if refusal is not None:
                 self._leave(refusal)
-        self.pinned, self.pinned_for = silo_pb2.PrivacyTerms(), run.run_id
+        self.pinned, self.pinned_for, self.accepted = silo_pb2.PrivacyTerms(), run.run_id, accepted
         self.pinned.CopyFrom(run.terms)
         dp = run.terms.client_dp
         self.ledger.begin_run(run.run_id, hub_serial=self.hub_check.identity()["serial"],
@@ -318,8 +332,8 @@ class SiloClient:
 
     def _check_model(self, run: silo_pb2.RunDescription) -> None:
         """The run's model is one this silo may build (check_model_allowed) and builds the same here as at the
-        hub (check_architecture); checked once per run."""
-        if self.model_checked_for == run.run_id:
+        hub (check_architecture); checked once per run description."""
+        if self.model_checked_for == described(run):
             return
         check_model_allowed(run, self.factories)
         check_upload_fits(run)
@@ -328,7 +342,7 @@ class SiloClient:
                                 lambda: check_architecture(run, model_spec_of(run)))
         except ValueError as err:  # the factory cannot be imported or built here
             raise SiloError(f"cannot build the run's model here: {err}") from None
-        self.model_checked_for = run.run_id
+        self.model_checked_for = described(run)
 
     def _set_up(self, run: silo_pb2.RunDescription) -> None:
         """The run's algorithm and model, checked against the loaded images."""

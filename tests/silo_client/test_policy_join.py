@@ -6,6 +6,7 @@ versions of hub and silo are checked both ways."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import grpc
@@ -15,7 +16,7 @@ from security.audit import AUDIT_FILE, read_records, verify_chain
 from security.tls import DEV_IDENTITY_KEY
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.client import SiloClient, SiloSettings
-from silo_client.errors import SiloLeft
+from silo_client.errors import SiloError, SiloLeft
 from silo_client.ledger import LEDGER_FILE, BranchLedger
 from silo_client.policy import BranchPolicy
 from silo_server.app import HubApp
@@ -117,6 +118,26 @@ def test_a_hub_restarted_with_another_chunk_size_gets_chunks_of_that_size(tmp_pa
         app.hub.run_description = {**app.hub.run_description, "chunk_bytes": 65536}
         client._join()
         assert client.outbox.chunk_bytes == 65536 and client.pinned_for == app.hub.run_id
+    finally:
+        client.close()
+        app.stop()
+
+
+@pytest.mark.parametrize("policy,change,refused", [
+    ({"algorithms": ["semifl"]}, {"algorithm": "fedseal"}, "policy allows algorithms semifl; this run uses fedseal"),
+    (None, {"model_factory": "evil.models:build"}, "the hub's run builds its model with the factory evil.models:build"),
+])
+def test_the_same_run_described_otherwise_at_a_later_join_is_checked_again(tmp_path, policy, change, refused):
+    # Only the terms were compared at a later join of the same run: a hub (restarted, or answering the next Join)
+    # could name another algorithm or a model factory under the same run id and terms, unchecked.
+    app, port = start_hub(tmp_path)
+    client = silo(tmp_path, port, policy=policy)
+    try:
+        client._join()
+        assert client.pinned_for == app.hub.run_id
+        app.hub.run_description = {**app.hub.run_description, **change}
+        with pytest.raises((SiloLeft, SiloError), match=re.escape(refused)):
+            client._join()
     finally:
         client.close()
         app.stop()
