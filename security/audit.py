@@ -93,10 +93,22 @@ def _iter_file_lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
         yield number + 1, pending, False
 
 
+def _finite_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number this log writes")
+
+
 def _parse(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """(record, None) or (None, why the line is not a record)."""
+    """(record, None) or (None, why the line is not a record). NaN, Infinity and numbers beyond a float's range
+    make a line no record: this log never writes them, and its hash (canonical JSON) could not be computed."""
     try:
-        record = json.loads(raw.decode("ascii"))
+        record = json.loads(raw.decode("ascii"), parse_float=_finite_number, parse_constant=_no_constant)
     except UnicodeDecodeError:
         return None, "it holds a byte that is not ASCII (this log writes ASCII only)"
     except ValueError as err:

@@ -264,6 +264,26 @@ def test_a_truncated_end_is_a_shorter_valid_chain_with_another_head(tmp_path):
     assert cut.ok and (cut.records, full.records) == (5, 6) and cut.head != full.head
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_a_number_this_log_never_writes_is_named_and_the_rest_still_verified(tmp_path, value):
+    # Its canonical hash cannot be taken: the verifier raised a bare ValueError and checked nothing after it.
+    path = tmp_path / AUDIT_FILE
+    silo_log(path, uploads=2)
+    lines = lines_of(path)
+    upload = [i for i, line in enumerate(lines) if b'"kind":"upload"' in line][0]
+    edited = re.sub(rb'"bytes":\d+', b'"bytes":' + value, lines[upload])
+    assert edited != lines[upload]
+    path.write_bytes(b"\n".join([*lines[:upload], edited, *lines[upload + 1:]]) + b"\n")
+    report = verify_chain(path)
+    assert report.records == len(lines) - 1 and report.head == json.loads(lines[-1])["hash"]
+    assert report.problems[0].startswith(f"line {upload + 1}: not a record: it is not JSON (")
+    assert len(report.problems) == 1  # the line after it links to it by its stored hash: not reported again
+    last = len(lines) - 1
+    path.write_bytes(b"\n".join([*lines[:last], re.sub(rb'"bytes":\d+', b'"bytes":' + value, lines[last])]) + b"\n")
+    with pytest.raises(AuditError, match="is not a record"):  # a damaged last line stops a writer, by name
+        AuditLog(path)
+
+
 def test_a_missing_file_and_an_unreadable_line(tmp_path):
     missing = tmp_path / "nowhere" / AUDIT_FILE
     report = verify_chain(missing)
