@@ -136,11 +136,11 @@ class Outbox:
         if self.policy is not None and not self.policy.clear_metrics:
             metrics = {}
         payload = encode(dict(tensors)) if tensors else b""
-        self._check_size(len(payload), task.round)
-        epsilon = charge() if charge is not None else None
         header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task.task_id, round=task.round,
                                        total_bytes=len(payload), sha256=sha256_hex(payload), skipped=skipped,
                                        metrics=dict(metrics))
+        self._check_size(len(payload) + header.ByteSize(), task.round)  # what the audit records as sent
+        epsilon = charge() if charge is not None else None
         self._record("upload", round=task.round, task=task.task_id, bytes=len(payload) + header.ByteSize(),
                      sha256=header.sha256, skipped=skipped, metrics=sorted(metrics),
                      tensors=[[n, list(t.shape), str(t.dtype).removeprefix("torch.")]
@@ -159,10 +159,10 @@ class Outbox:
               tensors: list | None = None) -> None:
         """A secure-aggregation stage message (keys, encrypted shares, the masked input, a signature, revealed
         shares, or an abort with its reason)."""
-        self._check_size(len(payload), round_number)
-        epsilon = charge() if charge is not None else None
         header = silo_pb2.UploadHeader(run_id=self.run_id, task_id=task_id, round=round_number,
                                        total_bytes=len(payload), sha256=sha256_hex(payload), secagg_stage=stage)
+        self._check_size(len(payload) + header.ByteSize(), round_number)
+        epsilon = charge() if charge is not None else None
         self._record(f"secagg:{stage}", round=round_number, task=task_id, bytes=len(payload) + header.ByteSize(),
                      sha256=header.sha256, tensors=tensors, epsilon=epsilon)
         try:

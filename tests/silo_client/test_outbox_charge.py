@@ -65,8 +65,21 @@ def test_a_stage_message_over_the_policys_size_is_neither_charged_nor_sent(outbo
     with pytest.raises(PolicyStop):
         box.stage("s1", 1, "masked_input", b"x" * 1001, charge_into(events))
     assert events == [] and "secagg:masked_input" not in audited(audit)
-    box.stage("s1", 1, "masked_input", b"x" * 1000, charge_into(events))
-    assert events == ["charge", "sent masked_input 1000"]
+    box.stage("s1", 1, "masked_input", b"x" * 900, charge_into(events))
+    assert events == ["charge", "sent masked_input 900"]
+
+
+def test_the_size_clause_counts_the_header_as_the_audit_does(outbox):
+    # The payload alone was checked while the audit recorded payload + header: a silo's own audit could show a
+    # message over its policy's limit as sent.
+    box, events, audit = outbox
+    with pytest.raises(PolicyStop):  # 1,000 bytes of payload fit the limit alone, not with their header
+        box.stage("s1", 1, "masked_input", b"x" * 1000, charge_into(events))
+    assert events == []
+    box.stage("s1", 1, "masked_input", b"x" * 900, charge_into(events))
+    sent = [json.loads(line)["bytes"] for line in audit.read_text().splitlines()
+            if json.loads(line)["kind"] == "secagg:masked_input"]
+    assert len(sent) == 1 and 900 < sent[0] <= 1000
 
 
 class RefusingHubEnd(HubEnd):
