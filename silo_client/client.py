@@ -463,9 +463,11 @@ class SiloClient:
         # Which of this branch's own limits, if any, stops DP-SGD in this run (by the ledger before this round).
         leave_at_limit = budget.policy_clause_binding_dp_sgd() if sd.enabled else None
         if sd.enabled:  # DP-SGD as the pinned terms say, within this branch's own budgets
-            # At the smaller of the run's delta and the ledger's (the policy's): an epsilon that holds at a delta
-            # holds at any larger one, so the figure is true both for the hub's budget and in this branch's ledger.
-            delta = min(sd.delta, self.ledger.delta) if sd.delta > 0 else self.ledger.delta
+            # At the smaller of the terms' delta and the one the ledger accounts this run at (the policy's when the
+            # run began, not a restarted process's): an epsilon that holds at a delta holds at any larger one, so
+            # the figure is true both for the hub's budget and in this branch's ledger.
+            ours = self.ledger.run_delta(self.run.run_id)
+            delta = min(sd.delta, ours) if sd.delta > 0 else ours
             plan.hyperparameters["sample_dp"] = {"noise_multiplier": sd.noise_multiplier, "clip_norm": sd.clip_norm,
                                                  "delta": delta, "epsilon_budget": budget.sample_dp_limit()}
         expected = plan.expected

@@ -225,6 +225,12 @@ class BranchLedger:
                     entry[key] = _dec(entry.get(key))
         return out
 
+    def run_delta(self, run_id: str) -> float:
+        """The delta the run is accounted at: the policy's when the run began (a restarted silo whose policy has
+        another delta keeps the run's), or this ledger's for a run not begun yet."""
+        run = self._data["runs"].get(run_id)
+        return float(run["delta"]) if run is not None else self.delta
+
     def run_epsilon(self, run_id: str) -> RunEpsilon:
         """The run's figures as of its last recorded round (RunEpsilon(None, None, 0.0) before any)."""
         rounds = self._run(run_id)["rounds"]

@@ -199,6 +199,7 @@ def test_another_delta_leaves_old_runs_at_theirs_and_sums_the_deltas(tmp_path):
     assert new.lifetime_delta() == pytest.approx(1.1e-5)
     assert runs["run-2"]["rounds"][0]["lifetime_delta"] == pytest.approx(1.1e-5)
     assert json.loads((tmp_path / LEDGER_FILE).read_text())["delta"] == 1e-6
+    assert (new.run_delta("run-1"), new.run_delta("run-2"), new.run_delta("not-begun")) == (1e-5, 1e-6, 1e-6)
 
 
 def test_a_retried_round_is_charged_again(tmp_path):

@@ -19,6 +19,7 @@ from silo_client.client import SiloClient, SiloSettings
 from silo_client.errors import SiloError, SiloLeft
 from silo_client.ledger import LEDGER_FILE, BranchLedger
 from silo_client.policy import BranchPolicy
+from silo_core.dp_sgd import ledger_for
 from silo_server.app import HubApp
 from silo_server.config import parse_config
 from tests.silo_client.test_cli_errors import write_images
@@ -256,17 +257,24 @@ SAMPLE_DP = {"privacy": {"sample_dp": {"enabled": True, "noise_multiplier": 1.5,
              "model": {"options": {"width": 4, "norm": "group"}}}
 
 
-def test_the_ledger_carries_on_across_a_restart_and_a_second_run_stops_at_the_lifetime_budget(tmp_path):
+def test_the_ledger_carries_on_across_a_restart_and_a_second_run_stops_at_the_lifetime_budget(tmp_path,
+                                                                                              monkeypatch):
+    import silo_core.algorithms.semifl as semifl
+
+    deltas = []  # the delta each round's DP-SGD is accounted at
+    monkeypatch.setattr(semifl, "ledger_for", lambda *a: (deltas.append(a[-1]), ledger_for(*a))[1])
     app, port = start_hub(tmp_path, **SAMPLE_DP)
     policy = {"sample_dp": {"required": True}, "lifetime_epsilon": 1000.0}
-    first = silo(tmp_path, port, policy)
+    first = silo(tmp_path, port, {**policy, "delta": 1e-6})
     train = first._train
     first._train = lambda task: (train(task), first.stop_event.set())  # its operator stops it after round 1
     thread, _ = run_in_thread(app)
     try:
         assert first.run_forever() == 0 and first.rounds_done == [1]
         first.close()
-        again = silo(tmp_path, port, policy)  # the same branch restarted: same state folder
+        # The same branch restarted (same state folder) with the default delta (1e-5): the run it began stays
+        # accounted at 1e-6, in its ledger and in the DP-SGD epsilon its rounds compute.
+        again = silo(tmp_path, port, policy)
         assert again.run_forever() == 0 and again.rounds_done == [2]
         again.close()
     finally:
@@ -276,6 +284,7 @@ def test_the_ledger_carries_on_across_a_restart_and_a_second_run_stops_at_the_li
     ledger = json.loads((tmp_path / "silo-state" / LEDGER_FILE).read_text())
     rounds = ledger["runs"][app.hub.run_id]["rounds"]
     assert [r["round"] for r in rounds] == [1, 2] and 0 < rounds[0]["sample"] < rounds[1]["sample"]
+    assert ledger["runs"][app.hub.run_id]["delta"] == 1e-6 and deltas == [1e-6, 1e-6]
     spent = rounds[1]["lifetime"]
     assert spent == rounds[1]["image"] == rounds[1]["sample"]  # the first run: lifetime is its own epsilon
 
