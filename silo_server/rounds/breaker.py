@@ -5,12 +5,16 @@ could (a weight outside its cap: security.validation.check_aggregate) makes that
 safe (the sum is refused), but every attempt the silo is in fails, and the hub cannot see who broke it.
 
 Group testing finds it when there are spare silos: after a failed sum, each retry draws a cohort that holds only
-part of the suspects (about half of them, a binary split) and fills the rest with silos not suspected. A cohort
-whose sum fails narrows the suspects to its own contributors; one whose sum passes clears its contributors, and
-its sum is applied, so the run goes on while the search does. A silo present in every failed attempt and in no
-passing one is the breaker once it is the only suspect left: about log2(cohort) attempts. It is quarantined for
-the run (QuarantineList: kept in the hub's state folder across restarts), not sampled again until the operator
-lifts it (`silo-server --config hub.yaml --lift-quarantine NAME`).
+part of the suspects (about half of those no passing sum has held yet, a binary split) and fills the rest with
+silos not suspected. The suspects are the silos present in every failed sum of the search, and only a failed sum
+narrows them: a passing sum (whose sum is applied, so the run goes on while the search does) only steers which
+suspects the next cohort tests. A breaker may behave whenever it likes, so having behaved once proves nothing:
+were a passing sum to clear its silos for good, a breaker that behaved once could later fail a cohort in which
+an honest silo was the only suspect left, and have that silo quarantined. A single breaker is in every failed
+sum, so the one silo left in all of them is it: about log2(cohort) + 1 attempts when it never behaves. It is
+quarantined for the run (QuarantineList: kept in the hub's state folder across restarts), not sampled again
+until the operator lifts it (`silo-server --config hub.yaml --lift-quarantine NAME`). A breaker that behaves in
+every cohort that would single it out is never found, but then those sums pass and the run goes on.
 
 Without spare silos (every live silo is needed in every cohort) no cohort can leave a suspect out: the hub says so
 once, as an ERROR, and `silo-server --check` warns of it beforehand.
@@ -38,7 +42,8 @@ QUARANTINE_FILE = "quarantine.json"
 
 @dataclass
 class BreakerHunt:
-    """The suspects of the current search (empty: none under way) and the silos a passing sum cleared."""
+    """The suspects of the current search (empty: none under way: the silos in every failed sum of it) and the
+    silos a passing sum of it held (tested: the next cohorts test the other suspects first)."""
 
     suspects: set[str] = field(default_factory=set)
     cleared: set[str] = field(default_factory=set)
@@ -68,11 +73,12 @@ class BreakerHunt:
 
     def failed(self, contributors: Iterable[str]) -> str | None:
         """A cohort's sum was refused: the breaker is among its contributors. Returns it once it is the only
-        suspect left (the search then ends)."""
+        suspect left, the one silo in every failed sum of the search (the search then ends)."""
         members = set(contributors)
-        narrowed = (self.suspects & members) if self.suspects else members - self.cleared
-        # Nobody left (two breakers in turn, or one that behaved in a passing cohort): start over from this cohort.
-        self.suspects = narrowed or members
+        narrowed = (self.suspects & members) if self.suspects else members
+        if not narrowed:  # no silo in every failed sum: two breakers in turn; start over from this cohort
+            narrowed, self.cleared = members, set()
+        self.suspects = narrowed
         self.failed_attempts += 1
         if len(self.suspects) == 1:
             (breaker,) = self.suspects
@@ -80,38 +86,34 @@ class BreakerHunt:
             return breaker
         return None
 
-    def passed(self, contributors: Iterable[str]) -> str | None:
-        """A cohort's sum passed its check: its contributors are cleared for the search under way. Returns the
-        breaker when one suspect is left (it was in every failed cohort and in no passing one)."""
+    def passed(self, contributors: Iterable[str]) -> None:
+        """A cohort's sum passed its check: its contributors are tested, so the next cohorts test the other
+        suspects. It names no one: a breaker may behave in one sum and break the next."""
         if not self.suspects:
-            return None
-        members = set(contributors)
-        self.suspects -= members
-        self.cleared |= members
-        if not self.suspects:
-            # Every suspect behaved in this sum: the search ends with no one found, and a later failure starts a
-            # new one (silos cleared here may break then, and silos that joined since are not the only suspects).
-            self.cleared = set()
-            return None
-        if len(self.suspects) == 1:
-            (breaker,) = self.suspects
+            return
+        self.cleared |= set(contributors)
+        if self.suspects <= self.cleared:
+            # Every suspect has behaved in a passing sum: the search ends with no one found, and a later failure
+            # starts a new one (silos that joined since are not the only suspects of it).
             self.suspects, self.cleared = set(), set()
-            return breaker
-        return None
 
     def cohort(self, live: Sequence[str], size: int, rng: random.Random) -> list[str] | None:
-        """A cohort of `size` live silos holding about half of the live suspects and no more than all but one of
-        them, the rest cleared or unsuspected silos; None when no such cohort exists (no spare silos)."""
+        """A cohort of `size` live silos holding about half of the live suspects that no passing sum has held yet
+        and no more than all but one of the suspects, the rest unsuspected silos (those a passing sum held first);
+        None when no such cohort exists (no spare silos)."""
         suspects = sorted(s for s in live if s in self.suspects)
-        others = sorted(s for s in live if s not in self.suspects)
-        if len(suspects) < 2:
+        untested = [s for s in suspects if s not in self.cleared]
+        if len(suspects) < 2 or not untested:
             return None  # one suspect is not a split, and none live cannot be tested now
-        take = min(len(suspects) - 1, max(1, math.ceil(len(suspects) / 2)), size)
-        take = max(take, size - len(others))  # fill from suspects only where too few others are live
-        if take >= len(suspects) or take < 1:
+        take = min(max(1, math.ceil(len(untested) / 2)), len(suspects) - 1, size)
+        chosen = rng.sample(untested, take)
+        # Fillers: unsuspected silos (those a passing sum held first), then tested suspects, then untested ones.
+        others = sorted((s for s in live if s not in self.suspects), key=lambda s: (s not in self.cleared, s))
+        rest = others + sorted(s for s in suspects if s in self.cleared) + sorted(set(untested) - set(chosen))
+        cohort = chosen + rest[: size - take]
+        if len(cohort) < size or set(suspects) <= set(cohort):
             return None
-        fillers = sorted(others, key=lambda s: (s not in self.cleared, s))  # cleared ones first
-        return sorted(rng.sample(suspects, take) + fillers[: size - take])
+        return sorted(cohort)
 
 
 @dataclass(frozen=True)
@@ -163,18 +165,16 @@ class BreakerSearch:
         self._found(breaker, r)
 
     def sum_passed(self, r: int, contributors: Iterable[str]) -> None:
-        """A sum that passed its check: its silos are not the breaker."""
-        breaker = self.hunt.passed(contributors) if self.hunt.active else None
-        if breaker is not None:
-            self._found(breaker, r)
+        """A sum that passed its check: its silos are tested (the next cohorts test the other suspects)."""
+        self.hunt.passed(contributors)
 
     def _found(self, breaker: str, round_number: int) -> None:
         attempts = self.hunt.failed_attempts
         self.hunt.restore({})  # the search is over (the same object the checkpoint holds)
         self.quarantine(Quarantine(
             silo=breaker, round=round_number, attempts=attempts, at=now_iso(),
-            reason=f"in every cohort whose securely aggregated sum failed its check ({attempts} failed attempts) and "
-                   f"in none whose sum passed"))
+            reason=f"the one silo in every cohort whose securely aggregated sum failed its check ({attempts} failed "
+                   f"attempts)"))
 
 
 class QuarantineList:

@@ -30,7 +30,28 @@ def test_group_testing_finds_one_breaker_in_about_log2_attempts():
             assert cohort is not None and len(cohort) == 4 and len(set(cohort) & hunt.suspects) < len(hunt.suspects)
             found = hunt.failed(cohort) if breaker in cohort else hunt.passed(cohort)
             attempts += 1
-        assert found == breaker and attempts <= 5 and not hunt.active
+        assert found == breaker and attempts <= 6 and not hunt.active
+
+
+def test_a_breaker_that_behaves_once_cannot_get_an_honest_silo_quarantined():
+    # The breaker a behaves in one cohort that tests it: before, that cleared it for good, and the next failure
+    # (its own, in a cohort filled with cleared silos first) left an honest suspect alone and quarantined it.
+    hunt, live, rng = BreakerHunt(), ["a", "b", "c", "d", "x", "y"], random.Random(0)
+    assert hunt.failed(["a", "b", "c", "d"]) is None
+    assert hunt.passed(["a", "b", "x", "y"]) is None  # a behaves
+    for _ in range(50):  # from now on a breaks every sum it is in, and behaves whenever that would single it out
+        cohort = hunt.cohort(live, 4, rng)
+        assert cohort is not None
+        if "a" in cohort and hunt.suspects & set(cohort) != {"a"}:
+            found = hunt.failed(cohort)
+            assert found in (None, "a")
+            if found == "a":
+                break
+        else:
+            hunt.passed(cohort)
+            if not hunt.active:  # every suspect behaved: the search ended, naming no one
+                assert hunt.failed(["a", "b", "c", "d"]) is None
+    assert "a" in hunt.suspects or not hunt.active  # never narrowed away from the breaker
 
 
 def test_without_spare_silos_no_cohort_can_leave_a_suspect_out():

@@ -225,7 +225,7 @@ def test_a_restarted_hub_goes_on_with_a_breaker_search_and_refuses_checkpoints_o
     under a new run id."""
     hub = make_hub(tmp_path)
     hub.rounds.hunt.failed(["x", "y", "z"])
-    hub.rounds.hunt.passed(["z"])  # x and y are still suspects (away now), z is cleared
+    hub.rounds.hunt.passed(["z"])  # x, y and z are still suspects (x and y away now); z is tested
     for s in ("a", "b"):
         hub.join(s, 10, 0, "cpu")
     thread, _ = start_round(hub)
@@ -238,7 +238,7 @@ def test_a_restarted_hub_goes_on_with_a_breaker_search_and_refuses_checkpoints_o
     again = make_hub(tmp_path)
     assert again.rounds.resume_or_init().round == 1
     assert (again.rounds.hunt.suspects, again.rounds.hunt.cleared, again.rounds.hunt.failed_attempts) == (
-        {"x", "y"}, {"z"}, 1) == (hub.rounds.hunt.suspects, hub.rounds.hunt.cleared, 1)
+        {"x", "y", "z"}, {"z"}, 1) == (hub.rounds.hunt.suspects, hub.rounds.hunt.cleared, 1)
     assert again.records.hunt is again.rounds.hunt
 
     (tmp_path / "run.json").unlink()  # only the checkpoints were restored from a backup
