@@ -147,6 +147,12 @@ class HubSession:
             pending = set()
         return pending - self.gone
 
+    def answered(self) -> int:
+        """How many silos have sent the current stage's message and are still in the session."""
+        sent = {"advertise_keys": set(self.keys), "share_keys": set(self.sealed), "masked_input": self.masked_from,
+                "consistency": set(self.consistency_signatures), "unmask": self.unmasked_from}.get(self.stage, set())
+        return len(sent - self.gone)
+
     def dropouts(self) -> set[str]:
         """Silos that left the protocol so far: gave up, or did not answer a stage they were part of."""
         asked_answered = ((set(self.ids), set(self.keys)), (self.u1, set(self.sealed)), (self.u2, self.masked_from),

@@ -142,6 +142,9 @@ class RoundHooks:
     # Called with the round's privacy state once each stage's messages are out (RoundPrivacy.outbox): a transport
     # whose silos live in this process answers them here (silo_sim/inprocess.py); over gRPC silos poll for them.
     answer: Callable[[RoundPrivacy], None] | None = None
+    # Once a stage's quorum answered, how long it waits for the rest (rounds.wait_after_quorum_s, as the round's
+    # training does); None: until every silo answered or the stage deadline.
+    wait_after_quorum_s: float | None = None
 
 
 def check_clip_tensors(prefixes: list[str], expected: dict[str, TensorSpec]) -> None:
@@ -333,7 +336,7 @@ class HubPrivacy:
                 raise RoundFailed(f"{finished} of {len(task.sampled)} sampled silos finished training, "
                                   f"below quorum {need}")
             try:
-                result, stage_seconds = self._drive(task, hooks)
+                result, stage_seconds = self._drive(task, hooks, need)
             except RoundAbandoned as err:
                 raise RoundFailed(str(err)) from None
             summed = dict(result.sums)
@@ -387,10 +390,12 @@ class HubPrivacy:
             raise SumRefused(f"the securely aggregated sum of {n} silos was refused: {err.message}",
                              contributors) from None
 
-    def _drive(self, task: Any, hooks: RoundHooks) -> tuple[Any, dict[str, float]]:
+    def _drive(self, task: Any, hooks: RoundHooks, need: int = 0) -> tuple[Any, dict[str, float]]:
         """Close advertise_keys, then run share_keys, masked_input, consistency and unmask, each until every silo
-        answered or the stage deadline; finally unmask the sum. Returns the session's result and each stage's duration
-        (advertise_keys: from hand-out, so training included); RoundAbandoned when the threshold cannot be met."""
+        answered, the stage deadline, or hooks.wait_after_quorum_s after `need` silos answered (the rest then count
+        as dropouts: a silo that stays silent cannot hold each stage of every round it is in to its deadline);
+        finally unmask the sum. Returns the session's result and each stage's duration (advertise_keys: from
+        hand-out, so training included); RoundAbandoned when the threshold cannot be met."""
         rp: RoundPrivacy = task.privacy
         s = rp.session
         deadline_s = self.secagg.stage_deadline_s
@@ -405,10 +410,17 @@ class HubPrivacy:
                 hooks.cond.notify_all()
                 if hooks.answer is not None:
                     hooks.answer(rp)
-                deadline, ready_since = time.time() + deadline_s, None
+                deadline, ready_since, quorum_at = time.time() + deadline_s, None, None
                 while s.waiting_for() and time.time() < deadline:
                     if hooks.stop_event.is_set():
                         raise InterruptedError("hub stopping")
+                    quorum_at = (quorum_at or time.time()) if s.answered() >= need else None
+                    if hooks.wait_after_quorum_s is not None and quorum_at is not None \
+                            and time.time() - quorum_at >= hooks.wait_after_quorum_s:
+                        log.info("round %d: secure aggregation %s: quorum %d answered %.1f s ago; closing without %s",
+                                 task.round, next_stage, need, time.time() - quorum_at,
+                                 ", ".join(sorted(s.waiting_for())[:10]))
+                        break
                     if next_stage == "unmask" and s.can_finish():
                         # every secret is recoverable: wait briefly for spare shares, not for a dead silo
                         ready_since = ready_since or time.time()

@@ -420,7 +420,8 @@ class RoundLoop:
                 if self.privacy is not None:
                     hooks = RoundHooks(cond=self.cond, stop_event=self.stop_event, refuse=self.registry.refuse,
                                        max_update_norm=self.max_update_norm,
-                                       answer=getattr(self.transport, "answer_stage", None))
+                                       answer=getattr(self.transport, "answer_stage", None),
+                                       wait_after_quorum_s=self.wait_after_quorum(task))
                     private = self.privacy.complete(task, need, hooks)  # unmasked, noised and charged
                     aggregation_started = time.time()
                     state, metrics = self.algorithm.finish_round(state, private.sums, private.metrics)

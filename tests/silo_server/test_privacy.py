@@ -170,6 +170,23 @@ def test_secure_round_survives_a_silo_killed_after_sharing_keys(tmp_path):
         assert s.silo_id == "s3" or s.sent.index("charge") == s.sent.index("masked_input") - 1
 
 
+def test_a_silo_silent_after_its_keys_holds_each_stage_only_the_wait_after_the_quorum(tmp_path):
+    # Every stage waited for every silo or its stage_deadline_s: a silo that advertised its keys and then went
+    # silent added the whole stage deadline to every round it was sampled in.
+    section = PrivacySection(secure_aggregation=SECAGG.model_copy(update={"stage_deadline_s": 60.0}))
+    hub = make(tmp_path, section, wait_after_quorum_s=1.0, deadline_s=120.0)
+    silos = [Silo(hub, f"s{i}", 1.0 + i, die_at="share_keys" if i == 3 else None) for i in range(5)]
+    for s in silos:
+        s.start()
+    hub.run()
+    for s in silos:
+        s.join(5)
+    record = hub.records.history[-1]
+    assert record.secagg.contributors == 4 and "s3" not in hub.records.contributed
+    assert 1.0 <= record.secagg.stage_seconds["share_keys"] < 30  # the quorum's wait, not the 60 s deadline
+    assert all(seconds < 30 for seconds in record.secagg.stage_seconds.values())
+
+
 def test_a_silo_remembers_the_sessions_it_signed_and_calls_running_one_again_a_breach(tmp_path):
     # Signatures over a survivor set bind (run, session, set) only: a hub that ran one session id again could show
     # each group of silos the set another group signed before, and unmask an input. A silo signs once per session.
