@@ -47,7 +47,7 @@ from silo_client.hub_link import (
     retry_after_s,
 )
 from silo_client.ledger import BranchLedger
-from silo_client.local_data import load_branch_data
+from silo_client.local_data import load_branch_data, usable_count
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
 from silo_client.outbox import Charge, Outbox, PolicyStop, SentUpload, metrics_allowed
 from silo_client.policy import Refusal, allowed_factories, check_run, required_noise_std
@@ -231,8 +231,8 @@ class SiloClient:
                             lambda: rehearse(spec, self.data, self.device))
 
     def _announce(self, preparing: bool, with_counts: bool = True) -> silo_pb2.RunDescription:
-        num_images = len(self.data.images) if self.data is not None else self.num_files
-        num_labeled = self.data.num_labeled if self.data is not None else self.num_labeled_files
+        num_images = usable_count(self.data.images) if self.data is not None else self.num_files
+        num_labeled = usable_count(self.data.labeled_images) if self.data is not None else self.num_labeled_files
         features = [f for f in FEATURES if f != SIGNED_SECAGG or self.privacy.identity is not None]
         features = [f for f in features if f != POLICY or self.policy is not None]
         reply = self.outbox.join(silo_pb2.JoinRequest(

@@ -14,7 +14,15 @@ from silo.v1 import silo_pb2
 from silo_client.run_checks import check_labeled_classes
 from silo_client.settings import SiloSettings
 from silo_core.algorithms.base import SiloData
-from silo_core.data import ImageFiles, list_image_files, load_labeled_folder, load_unlabeled_folder
+from silo_core.data import (
+    ImageFiles,
+    Images,
+    count_image_files,
+    list_image_files,
+    load_labeled_folder,
+    load_unlabeled_folder,
+    readable,
+)
 
 
 def load_branch_data(s: SiloSettings, run: silo_pb2.RunDescription, *, state_dir: Path, silo_id: str,
@@ -23,7 +31,8 @@ def load_branch_data(s: SiloSettings, run: silo_pb2.RunDescription, *, state_dir
     loading = {"cache_mb": s.cache_mb, "workers": s.loader_workers}
     empty = torch.zeros((0, run.in_channels, run.image_size, run.image_size), dtype=torch.uint8)
     unlabeled, labeled, labels, skipped = empty, None, None, []
-    if s.data is not None:
+    # An empty --data beside a --labeled folder is a silo with labeled images only (the start-up check allows it).
+    if s.data is not None and (s.labeled is None or count_image_files(s.data)):
         images = load_unlabeled_folder(s.data, run.image_size, run.in_channels, **loading)
         unlabeled, skipped = images.images, list(images.skipped)
         log.info("loaded %d images from %s (%d skipped)%s", len(images), s.data, len(images.skipped),
@@ -34,6 +43,10 @@ def load_branch_data(s: SiloSettings, run: silo_pb2.RunDescription, *, state_dir
         check_labeled_classes(s.labeled, folder.classes, run)
         labeled, labels = folder.images, folder.labels
         skipped += [x for x in folder.skipped if not x[1].startswith("not inside")]
+        loose = [path for path, reason in folder.skipped if reason.startswith("not inside")]
+        if loose:
+            log.warning("%d image files directly in %s belong to no class sub-folder and are not used (e.g. %s); "
+                        "move each into its class's folder", len(loose), s.labeled, loose[0])
         log.info("loaded %d labeled images from %s%s", len(folder), s.labeled, how_read(folder.images, s.cache_mb))
     for path, reason in skipped[:5]:
         log.warning("skipped unreadable image %s: %s", path, reason)
@@ -42,6 +55,12 @@ def load_branch_data(s: SiloSettings, run: silo_pb2.RunDescription, *, state_dir
     data = SiloData(images=unlabeled, true_labels=simulation_labels(s, len(unlabeled), skipped_unlabeled, log),
                     state_dir=state_dir, silo_id=silo_id, labeled_images=labeled, labeled_labels=labels)
     return data, len(skipped)
+
+
+def usable_count(images: Images | None) -> int:
+    """Images a silo trains on: read from disk, less the files found unreadable since (they were counted as images
+    at load, where only their headers were checked, and then as skipped); all of them in memory."""
+    return 0 if images is None else int(readable(images).sum())
 
 
 def how_read(images: torch.Tensor | ImageFiles, cache_mb: float) -> str:

@@ -14,7 +14,7 @@ from silo.v1 import silo_pb2
 from silo_client.errors import SiloError
 from silo_core.algorithms.base import SiloAlgorithm, SiloData
 from silo_core.augment import to_float
-from silo_core.data import DataError, describe_classes, image_batches, same_classes
+from silo_core.data import DataError, count_labeled_files, describe_classes, image_batches, same_classes
 from silo_core.data import count_image_files as count_listed_images
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.training import autocast, on_device
@@ -52,11 +52,12 @@ def check_upload_fits(run: silo_pb2.RunDescription) -> None:
 
 
 def count_image_files(root: Path, flag: str = "--data") -> int:
-    """The images in the folder given with `flag` (--data or --labeled), whose name the error gives."""
+    """The images in the folder given with `flag` (--data or --labeled), whose name the error gives: for
+    --labeled, those inside its class folders (the ones it trains on)."""
     if not root.is_dir():
         what = "the folder of this silo's images" if flag == "--data" else "a folder of labeled images"
         raise DataError(f"{flag} folder {root} does not exist; pass {flag} with {what}")
-    return count_listed_images(root)
+    return count_listed_images(root) if flag == "--data" else count_labeled_files(root)
 
 
 def check_labeled_classes(folder: Path, classes: list[str], run: silo_pb2.RunDescription) -> None:

@@ -34,6 +34,7 @@ from silo_core.data.datasets import (
 from silo_core.data.decoding import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, DataError, image_form, load_image_file
 from silo_core.data.folders import (
     count_image_files,
+    count_labeled_files,
     list_image_files,
     load_labeled_folder,
     load_unlabeled_folder,
@@ -54,7 +55,7 @@ from silo_core.data.writing import class_folder_name, describe_classes, same_cla
 __all__ = [
     "DEFAULT_CACHE_MB", "DEFAULT_LOADER_WORKERS", "DEMO_FILE", "FASHION_MNIST_CLASSES", "IMAGE_EXTENSIONS",
     "MAX_IMAGE_PIXELS", "MNIST_CLASSES", "TORCHVISION_DATASETS", "DataError", "ImageFiles", "ImageSet", "Images",
-    "class_folder_name", "count_image_files", "describe_classes", "fits_in_memory", "image_batches", "list_image_files",
+    "class_folder_name", "count_image_files", "count_labeled_files", "describe_classes", "fits_in_memory", "image_batches", "list_image_files",
     "image_form", "load_demo", "load_image_file", "load_labeled_folder", "load_torchvision", "load_unlabeled_folder",
     "padded_image_batches", "readable", "same_classes", "save_png_folder",
 ]

@@ -32,8 +32,16 @@ def _is_image(name: str) -> bool:
 
 
 def _image_names(root: Path) -> Iterator[tuple[str, list[str]]]:
-    """(folder, its image file names) for every folder under ``root``, hidden files and folders ignored."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    """(folder, its image file names) for every folder under ``root``, hidden files and folders ignored. Linked
+    folders are followed (a branch may link its images in from elsewhere, and a labeled class folder that is a link
+    is read too), each real folder once: a link back up the tree, or a second link to one folder, adds nothing."""
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         yield dirpath, [f for f in filenames if _is_image(f)]
 
@@ -48,6 +56,16 @@ def list_image_files(root: str | os.PathLike[str]) -> list[Path]:
 def count_image_files(root: str | os.PathLike[str]) -> int:
     """How many files list_image_files would list, without building or sorting their paths."""
     return sum(len(names) for _, names in _image_names(Path(root)))
+
+
+def _class_dirs(folder: Path) -> list[Path]:
+    return sorted((d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name)
+
+
+def count_labeled_files(root: str | os.PathLike[str]) -> int:
+    """How many files load_labeled_folder would read: those inside its class folders (images directly under
+    ``root`` belong to no class and are ignored)."""
+    return sum(count_image_files(d) for d in _class_dirs(Path(root)))
 
 
 def probe_files(paths: list[Path], image_size: int, channels: int) -> tuple[list[int], list[tuple[str, str]]]:
@@ -120,8 +138,7 @@ def load_labeled_folder(root: str | os.PathLike[str], image_size: int, channels:
     """
     check_format(image_size, channels)
     folder = _check_folder(root, "labeled image")
-    class_dirs = sorted((d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")),
-                        key=lambda d: d.name)
+    class_dirs = _class_dirs(folder)
     loose = [f for f in sorted(folder.iterdir()) if f.is_file() and _is_image(f.name)]
     if not class_dirs:
         hint = " (it holds images directly: that is the unlabeled layout)" if loose else ""
