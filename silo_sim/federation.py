@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from security.secagg.params import SecAggParams
 from silo_core.rounds import RoundRecord, Scores, nan_if_none, records_from_json
 from silo_server.rounds.breaker import QUARANTINE_FILE, read_quarantine
 from silo_sim.launcher import Forked, Launcher
@@ -253,6 +254,13 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                 time.sleep(0.5)
             progress.update(bar, completed=len(read_history(history_path)[0]))
         rc = hub.wait()
+        if rc != 0:  # at once: the silos would redial the dead hub for minutes before their hosts exit
+            tail = (logs / "hub.log").read_text()[-3000:]
+            raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
+        history = read_history(history_path)[0]
+        if len(history) < rounds and not stopped_early(staged):
+            raise RuntimeError(f"the hub stopped after {len(history)} of {rounds} rounds without finishing the run "
+                               f"(it was stopped, e.g. SIGTERM); its checkpoint and logs are in {staged.root}")
         for p in procs[1:]:
             try:
                 p.wait(timeout=30)
@@ -260,14 +268,31 @@ def run_federation(staged, args, rounds: int, launched: Launched | None = None,
                 pass
         if ray_hosts is not None:
             ray_hosts.wait(30)
-        if rc != 0:
-            tail = (logs / "hub.log").read_text()[-3000:]
-            raise RuntimeError(f"the hub failed (exit {rc}); last lines of {logs / 'hub.log'}:\n{tail}")
-        return rc, read_history(history_path)[0], time.time() - started
+        return rc, history, time.time() - started
     finally:
         terminate(procs)
         if ray_hosts is not None:
             ray_hosts.close()
+
+
+def stopped_early(staged) -> str | None:
+    """Why the hub ended its run before its last round (its model card's stopped_early: the privacy budget, say),
+    or None: it finished, or was stopped and can resume."""
+    card = staged.hub_state_dir / "model_card.json"
+    try:
+        return json.loads(card.read_text()).get("stopped_early") or None
+    except (OSError, ValueError):
+        return None
+
+
+def hub_waits_for(staged) -> int:
+    """The fewest ready silos the hub waits for before a round: rounds.min_silos, and under secure aggregation the
+    fewest a round may sample (SecAggParams.fewest_sampled, as the hub's round loop asks)."""
+    need = int(hub_section(staged, "rounds").get("min_silos", 1))
+    section = hub_section(staged, "privacy").get("secure_aggregation") or {}
+    if section.get("enabled"):
+        need = max(need, SecAggParams.model_validate(section).fewest_sampled())
+    return need
 
 
 def silos_stopped(staged, workers: list[subprocess.Popen | Forked | HostedShare], logs: Path,
@@ -298,13 +323,18 @@ def silos_stopped(staged, workers: list[subprocess.Popen | Forked | HostedShare]
         gone.setdefault(name, f"quarantined by the hub in round {q.round}")
     if not gone:
         return None
-    need = int(hub_section(staged, "rounds").get("min_silos", 1))
+    need = hub_waits_for(staged)
     if len(staged.silos) - len(gone) >= need or phase() != "waiting_for_silos":
         return None
     shown = "; ".join(f"{name} {why}" for name, why in sorted(gone.items())[:5])
+    left = len(staged.silos) - len(gone)
+    if need > int(hub_section(staged, "rounds").get("min_silos", 1)):
+        how = (f"the fewest a securely aggregated round samples: it cannot go on with {left} (lower "
+               f"privacy.secure_aggregation.dropouts or min_cohort, or stage more silos)")
+    else:
+        how = f"rounds.min_silos: let the others go on with --hub-set rounds.min_silos={left}"
     return (f"{len(gone)} of {len(staged.silos)} silos stopped before the run's end ({shown}), leaving fewer than "
-            f"the {need} the hub waits for (rounds.min_silos): see {logs}/worker-*.log, or let the others go on "
-            f"with --hub-set rounds.min_silos={len(staged.silos) - len(gone)}")
+            f"the {need} the hub waits for ({how}); see {logs}/worker-*.log")
 
 
 def hub_phase(port: int | None) -> str | None:

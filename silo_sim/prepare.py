@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from silo_sim.cli import (
@@ -111,9 +113,23 @@ def export_demo(args, plan: Plan) -> None:
         print(f"  ... and {len(staged.silos) - 3} more silos under {staged.root / 'silos'}")
 
 
+def clear_run_state(root: Path) -> list[Path]:
+    """Remove an earlier run's hub and silo state from a reused --workdir (its run.json, checkpoints, history,
+    port files, quarantine, the silos' ledgers): a run never resumes another, or reads its ports. Returns what went."""
+    root = Path(root)
+    gone = [d for d in [root / "hub" / "state", *sorted(root.glob("silos/*/state"))] if d.is_dir()]
+    for d in gone:
+        shutil.rmtree(d)
+    return gone
+
+
 def stage(args, plan: Plan) -> None:
     from silo_sim.stage import load_source, stage_federation
     from silo_sim.staging_cache import describe, evict, federation_key, kept_federation, restore
+
+    cleared = clear_run_state(args.workdir)  # before hub.yaml is written: the hub starts as soon as it is
+    if cleared:
+        console.print(f"removed the state of an earlier run in {args.workdir} ({len(cleared)} folders)")
 
     def hub_staged(hub_part) -> None:
         tell("hub_staged", staged=hub_part.to_json(), needs_silos=plan.needs_silos)

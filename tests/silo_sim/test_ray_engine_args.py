@@ -1,5 +1,6 @@
 """The Ray engine's sizing and flag checks (silo_sim/ray_engine.py), without starting Ray."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,9 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from security.secagg.params import SecAggParams
 from silo_server.rounds.breaker import Quarantine, QuarantineList
 from silo_sim.cli import build_parser
-from silo_sim.federation import host_threads, silos_stopped
+from silo_sim.federation import host_threads, hub_waits_for, silos_stopped, stopped_early
+from silo_sim.prepare import clear_run_state
 from silo_sim.ray_engine import HostedShare, actor_count, check_engine_args, pack_share, unpack_share
 
 
@@ -158,3 +161,35 @@ def test_silos_whose_ray_actor_returned_or_died_count_as_stopped(tmp_path):
     QuarantineList(staged.hub_state_dir).add(Quarantine("silo-001", 4, 2, "breaks the sum", "2026-11-29T00:00:00"))
     said = silos_stopped(staged, running, tmp_path, lambda: "waiting_for_silos")
     assert said is not None and "silo-001 quarantined by the hub in round 4" in said
+
+
+def test_under_secure_aggregation_the_stall_check_counts_the_fewest_silos_a_round_samples(tmp_path):
+    # Only rounds.min_silos was compared: three silos left of four met min_silos 3 while the hub waited for the 4
+    # a secure round of the default shape samples, and silo-sim waited for ever.
+    (tmp_path / "hub.yaml").write_text("rounds: {min_silos: 3}\nprivacy: {secure_aggregation: {enabled: true}}\n")
+    staged = SimpleNamespace(root=tmp_path, hub_config=tmp_path / "hub.yaml", hub_state_dir=tmp_path / "hub",
+                             silos=[SimpleNamespace(name=f"silo-00{i}") for i in (1, 2, 3, 4)])
+    assert hub_waits_for(staged) == SecAggParams(enabled=True).fewest_sampled() == 4
+    hosts = [HostedShare(0, {"silos": [{"name": "silo-001"}, {"name": "silo-003"}]}, results={"silo-003": 3}),
+             HostedShare(1, {"silos": [{"name": "silo-002"}, {"name": "silo-004"}]})]
+    said = silos_stopped(staged, hosts, tmp_path, lambda: "waiting_for_silos")
+    assert said is not None and "leaving fewer than the 4 the hub waits for" in said
+    assert "the fewest a securely aggregated round samples" in said and "rounds.min_silos=" not in said
+
+
+def test_a_reused_workdir_starts_without_the_earlier_runs_state(tmp_path):
+    for d in ("hub/state", "silos/silo-001/state", "silos/silo-001/images"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "hub" / "state" / "run.json").write_text("{}")
+    (tmp_path / "silos" / "silo-001" / "state" / "privacy_ledger.json").write_text("{}")
+    assert clear_run_state(tmp_path) == [tmp_path / "hub" / "state", tmp_path / "silos" / "silo-001" / "state"]
+    assert not (tmp_path / "hub" / "state").exists() and (tmp_path / "silos" / "silo-001" / "images").is_dir()
+
+
+def test_a_run_the_hub_ended_early_is_told_from_one_it_was_stopped_in(tmp_path):
+    staged = SimpleNamespace(hub_state_dir=tmp_path)
+    assert stopped_early(staged) is None  # no card: not ended early
+    (tmp_path / "model_card.json").write_text(json.dumps({"stopped_early": None, "rounds": 2}))
+    assert stopped_early(staged) is None
+    (tmp_path / "model_card.json").write_text(json.dumps({"stopped_early": "privacy budget spent"}))
+    assert stopped_early(staged) == "privacy budget spent"
