@@ -47,7 +47,7 @@ from silo_core.algorithms.base import (
 )
 from silo_core.algorithms.semifl import pseudo_label_metrics
 from silo_core.augment import strong_augment, weak_augment
-from silo_core.data import image_batches
+from silo_core.data import image_batches, readable
 from silo_core.sbn import compute_static_bn
 from silo_core.tensors import TensorSpec
 from silo_core.training import (
@@ -204,7 +204,8 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
                     break
         if data.true_labels is not None:
             metrics["pl_correct"] = correct
-        weight = 1.0 if o.aggregation == "uniform" else float(n)
+        # n_k: the images it trained on, less files found unreadable on the way (the count its next join declares)
+        weight = 1.0 if o.aggregation == "uniform" else float(readable(data.images).sum())
         tensors = weighted_delta(model, start, weight)
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         metrics.update({"train_loss": total_loss / max(steps, 1), "train_steps": float(steps)})

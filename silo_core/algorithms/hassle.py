@@ -297,7 +297,7 @@ class HASSLESilo(SiloAlgorithm):
                      weight: float | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Train model `own` (S or U) with proximity to the global `other`, and its residual r_{other,own}, on
         (images, labels); return n * delta and n for both groups, n being `weight` when given (Eq. 2's n_U,k: all
-        of the silo's unlabeled images, even where a threshold kept fewer to train on), else len(images)."""
+        of the silo's unlabeled images, even where a threshold kept fewer to train on), else the readable images."""
         o, spec, device = self.options, self.model_spec, self.device
         specs = _specs(spec, o)
         res = f"r{other}{own}"  # r_US complements S, r_SU complements U
@@ -336,7 +336,8 @@ class HASSLESilo(SiloAlgorithm):
                 loss_model, loss_res, steps = loss_model + loss.item(), loss_res + rloss.item(), steps + 1
                 if work.step():
                     break
-        n = float(len(images)) if weight is None else float(weight)
+        # n: less files found unreadable while training (the count the silo's next join declares)
+        n = float(readable(images).sum()) if weight is None else float(weight)
         tensors: dict[str, torch.Tensor] = {}
         for key, net in ((own, model), (res, residual)):
             tensors.update(weighted_delta(net, starts[key], n, prefix=f"{key}/delta/"))

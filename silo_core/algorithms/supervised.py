@@ -27,6 +27,7 @@ from silo_core.algorithms.base import (
     weighted_delta,
 )
 from silo_core.algorithms.fedavg_fixmatch import ParallelFedAvgHub, ParallelFedAvgOptions
+from silo_core.data import readable
 from silo_core.training import seeded_generator, train_supervised
 
 
@@ -62,7 +63,8 @@ class SupervisedSilo(SiloAlgorithm):
             lr=float(plan.hyperparameters["lr"]), opt=o.optimizer(), mean=spec.mean, std=spec.std,
             device=self.device, generator=gen, flip=o.flip,
         )
-        weight = 1.0 if o.aggregation == "uniform" else float(n)
+        # n_k: less files found unreadable while training (the count its next join declares)
+        weight = 1.0 if o.aggregation == "uniform" else float(readable(data.images).sum())
         tensors = weighted_delta(model, start, weight)
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         return SiloResult(tensors=tensors, metrics={"train_loss": loss})

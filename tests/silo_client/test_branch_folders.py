@@ -51,6 +51,28 @@ def test_a_truncated_file_read_from_disk_stops_counting_as_an_image_once_found(t
     assert usable_count(lazy.images) == 2  # what the next join declares: as in memory, not 3 (plus 1 skipped)
 
 
+def test_a_silo_weighs_its_update_by_the_images_it_could_read(tmp_path):
+    # The count a join declares leaves out files found unreadable; a weight of every listed file exceeded it, and
+    # the hub refused each update (bad_weight), or under secure aggregation the whole sum.
+    import torch
+
+    from silo_core.algorithms.base import RoundPlan, SiloData, model_tensors
+    from silo_core.algorithms.fedavg_fixmatch import FedAvgFixMatchOptions, FedAvgFixMatchSilo
+    from silo_core.models import ModelSpec
+
+    for i in range(4):
+        png(tmp_path / "d" / f"{i}.png", i)
+    whole = (tmp_path / "d" / "1.png").read_bytes()
+    (tmp_path / "d" / "1.png").write_bytes(whole[: len(whole) // 2])
+    images = load_unlabeled_folder(tmp_path / "d", 28, 1, cache_mb=0.0001).images
+    spec = ModelSpec(options={"width": 4})
+    torch.manual_seed(0)
+    plan = RoundPlan(round=1, tensors=model_tensors(spec.build()), hyperparameters={"lr": 0.01, "seed": 0}, expected={})
+    options = FedAvgFixMatchOptions(aggregation="samples", local_epochs=1, silo_batch_size=4)
+    result = FedAvgFixMatchSilo(options, spec, torch.device("cpu")).local_update(plan, SiloData(images=images))
+    assert len(images) == 4 and usable_count(images) == 3 and float(result.tensors["weight"]) == 3.0
+
+
 def test_an_empty_data_folder_beside_a_labeled_one_is_a_labeled_only_silo(tmp_path):
     (tmp_path / "d").mkdir()
     png(tmp_path / "l" / "a" / "x.png")
