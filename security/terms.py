@@ -30,10 +30,11 @@ from silo_core.dp_sgd import SampleDPConfig
 PROTOCOL_VERSION = 2
 # The first silokit release that speaks PROTOCOL_VERSION: what a refusal tells an operator to install.
 FIRST_RELEASE = {2: "0.2.0"}
-# signed_secagg_2: signed keys and survivor sets that also bind the session's parameters (its quantization rules,
-# ring, k and t: security/secagg/messages.session_parameters); a silo of the first signed form cannot take part.
-TYPED_TERMS, SIGNED_SECAGG, POLICY = "typed_terms", "signed_secagg_2", "policy"
-FEATURES = (TYPED_TERMS, SIGNED_SECAGG, POLICY)
+# secagg_2: shares that carry the session's parameters (its quantization rules, ring, k and t:
+# security/secagg/messages.session_parameters), signed or not; signed_secagg_2: signed keys and survivor sets that
+# bind them too. A silo of the first form cannot take part in a session with these, so the hub refuses it at join.
+TYPED_TERMS, SIGNED_SECAGG, POLICY, SECAGG = "typed_terms", "signed_secagg_2", "policy", "secagg_2"
+FEATURES = (TYPED_TERMS, SIGNED_SECAGG, POLICY, SECAGG)
 
 # The clauses a refusal may name: the hub counts refusals by these labels only (anything else a silo sends is
 # counted as "other"), so a silo cannot grow the hub's metrics with labels of its own.
@@ -102,7 +103,8 @@ def protocol_needed(terms: silo_pb2.PrivacyTerms) -> tuple[int, tuple[str, ...]]
     typed terms (protocol 1 read them from a JSON string that is gone), secure aggregation its signed form."""
     if not uses_privacy(terms):
         return 1, ()
-    features = (TYPED_TERMS, SIGNED_SECAGG) if terms.secure_aggregation.signed else (TYPED_TERMS,)
+    sa = terms.secure_aggregation
+    features = (TYPED_TERMS, *((SECAGG,) if sa.enabled else ()), *((SIGNED_SECAGG,) if sa.signed else ()))
     return PROTOCOL_VERSION, features
 
 

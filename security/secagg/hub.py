@@ -153,6 +153,16 @@ class HubSession:
                 "consistency": set(self.consistency_signatures), "unmask": self.unmasked_from}.get(self.stage, set())
         return len(sent - self.gone)
 
+    def closable(self) -> bool:
+        """Whether closing share_keys, masked_input or consistency now would let the session go on, as its close
+        method would judge the silos that answered (a stage closed on a quorum alone could abandon a round that
+        waiting would have finished)."""
+        if self.stage == "share_keys":
+            return len(self._pruned(set(self.sealed))) >= self.min_survivors
+        answered = {"masked_input": self.masked_from, "consistency": set(self.consistency_signatures)}.get(self.stage)
+        return (answered is not None and len(answered) >= self.min_survivors
+                and all(len(self.graph[j] & answered) >= self.threshold for j in self.u2))
+
     def dropouts(self) -> set[str]:
         """Silos that left the protocol so far: gave up, or did not answer a stage they were part of."""
         asked_answered = ((set(self.ids), set(self.keys)), (self.u1, set(self.sealed)), (self.u2, self.masked_from),
@@ -166,15 +176,19 @@ class HubSession:
         """A silo gave up (its session aborted): nothing more is accepted from it; it counts as a dropout."""
         self.gone.add(silo_id)
 
-    def _prune(self, alive: set[str], stage: str) -> set[str]:
-        """Leave out, until none is left, every silo with fewer than t live neighbours: its secrets could not be
-        recovered, so it must not enter the sum. Abandon below min_survivors."""
+    def _pruned(self, alive: set[str]) -> set[str]:
+        """`alive` less, until none is left, every silo with fewer than t live neighbours: its secrets could not be
+        recovered, so it must not enter the sum."""
         alive = set(alive)
         while True:
             weak = {i for i in alive if len(self.graph[i] & alive) < self.threshold}
             if not weak:
-                break
+                return alive
             alive -= weak
+
+    def _prune(self, alive: set[str], stage: str) -> set[str]:
+        """_pruned; abandon below min_survivors."""
+        alive = self._pruned(alive)
         if len(alive) < self.min_survivors:
             raise self._abandon(f"{len(alive)} silos left after {stage}, {self.min_survivors} needed "
                                 f"(threshold t = {self.threshold} of {self.degree} neighbours)")

@@ -97,6 +97,12 @@ class BreakerHunt:
             # starts a new one (silos that joined since are not the only suspects of it).
             self.suspects, self.cleared = set(), set()
 
+    def exhausted(self, live: Sequence[str]) -> bool:
+        """Whether the search can learn nothing more: suspects are live and every one of them has behaved in a
+        passing sum (one that left, was revoked or quarantined is in none, and must not keep the search going)."""
+        here = [s for s in live if s in self.suspects]
+        return self.active and bool(here) and all(s in self.cleared for s in here)
+
     def cohort(self, live: Sequence[str], size: int, rng: random.Random) -> list[str] | None:
         """A cohort of `size` live silos holding about half of the live suspects that no passing sum has held yet
         and no more than all but one of the suspects, the rest unsuspected silos (those a passing sum held first);
@@ -137,10 +143,18 @@ class BreakerSearch:
         self.seed = seed
         self.said_no_spare = False  # the hub said once that it cannot search (no spare silos)
 
-    def cohort(self, live: list[str], sampled: set[str], size: int, r: int, attempt: int) -> set[str]:
+    def cohort(self, live: list[str], size: int, r: int, attempt: int) -> set[str] | None:
         """A cohort of `size` silos (the fewest a round may have: it splits the suspects fastest) holding about
-        half of the live suspects; the usual sample when no such cohort exists (no spare silos)."""
+        half of the live suspects; None for the usual random sample: no suspect is live (the search waits for
+        them), the search ended (every live suspect behaved), or no such cohort exists (no spare silos)."""
         rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt + 7)
+        if self.hunt.exhausted(live):
+            log.info("round %d: the search for the silo that breaks the secure sum ends with no one found: every "
+                     "live suspect has behaved in a passing sum (a later failure starts a new search)", r)
+            self.hunt.restore({})
+            return None
+        if not any(s in self.hunt.suspects for s in live):
+            return None
         cohort = self.hunt.cohort(live, size, rng) if size < len(live) else None
         if cohort is None:
             if not self.said_no_spare:
@@ -149,7 +163,7 @@ class BreakerSearch:
                           "rounds of at least %d none can be left out to find it (no spare silos): the round keeps "
                           "failing until more silos connect or the breaker is revoked (suspects: %s)", r, len(live),
                           size, ", ".join(sorted(self.hunt.suspects)[:10]))
-            return sampled
+            return None
         log.info("round %d attempt %d: looking for the silo that breaks the secure sum: %d suspects, this cohort of "
                  "%d holds %d of them", r, attempt, len(self.hunt.suspects), len(cohort),
                  len(set(cohort) & self.hunt.suspects))

@@ -415,7 +415,7 @@ class HubPrivacy:
                     if hooks.stop_event.is_set():
                         raise InterruptedError("hub stopping")
                     # (unmask has its own rule below: it may close once every secret is recoverable, not before)
-                    quorum_at = (quorum_at or time.time()) if s.answered() >= need else None
+                    quorum_at = (quorum_at or time.time()) if s.answered() >= need and s.closable() else None
                     if hooks.wait_after_quorum_s is not None and quorum_at is not None and next_stage != "unmask" \
                             and time.time() - quorum_at >= hooks.wait_after_quorum_s:
                         log.info("round %d: secure aggregation %s: quorum %d answered %.1f s ago; closing without %s",

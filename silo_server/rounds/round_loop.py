@@ -379,8 +379,9 @@ class RoundLoop:
                 raise InterruptedError("hub stopping")
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
             sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
-            if self.hunt.active:  # a sum failed its check: this cohort holds only part of the suspects
-                sampled = self.breaker.cohort(live, sampled, self.fewest_sampled(), r, attempt)
+            # A sum failed its check: this cohort holds only part of the suspects (None: the usual sample).
+            cohort = self.breaker.cohort(live, self.fewest_sampled(), r, attempt) if self.hunt.active else None
+            sampled = cohort if cohort is not None else sampled
             task = ActiveTask(
                 round=r, attempt=attempt,
                 task_id=f"{self.records.run_id[:8]}-r{r}-a{attempt}-{uuid.uuid4().hex[:6]}",
@@ -398,7 +399,7 @@ class RoundLoop:
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
                 # The sampling rate the accountant charges: the chance of a live silo (the only ones that can be
                 # drawn) to be in the round; a breaker hunt's cohorts are not drawn at random, so it charges q = 1.
-                population = len(sampled) if self.hunt.active else len(live)
+                population = len(sampled) if cohort is not None else len(live)
                 weight_cap = 1.0 if plan.unit_weight else max(task.weight_caps.values(), default=1.0)
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need, weight_cap)
                 task.accepted = task.privacy.accepted

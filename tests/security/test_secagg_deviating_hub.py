@@ -589,6 +589,23 @@ def test_a_hub_that_also_withholds_the_shares_that_would_give_it_away_leaves_the
     assert len(d.masked) == 7  # the others, under one encoding among themselves
 
 
+def test_a_stage_is_closable_only_when_closing_it_would_not_abandon_the_session(fed):
+    # The hub closes a stage early once its quorum answered: a quorum below what the session needs (t live
+    # neighbours per silo, min_survivors) must not count, or the early close abandons a round waiting would finish.
+    d = Driver(fed, 8, session="closable")
+    rosters = d.advertise()
+    assert (d.hub.degree, d.hub.threshold, d.hub.min_survivors) == (7, 5, 5) and not d.hub.closable()
+    d.share({i: rosters[i] for i in d.ids[:5]})
+    assert d.hub.answered() == 5 and not d.hub.closable()  # each has 4 sealed neighbours, t = 5: none survives
+    d.share({i: rosters[i] for i in d.ids[5:6]})
+    assert d.hub.closable()
+    inboxes = d.hub.close_share_keys()
+    d.mask({i: inboxes[i] for i in d.ids[:5]})
+    assert not d.hub.closable()  # each of the six in U2 needs t = 5 revealers among the five that masked
+    d.mask({i: inboxes[i] for i in d.ids[5:6]})
+    assert d.hub.closable()
+
+
 # ------------------------------------------------------------------------------------------------ honest rounds
 @pytest.mark.parametrize("stage", STAGE_ORDER)
 def test_an_honest_signed_round_is_exact_with_a_dropout_at_each_stage(fed, stage):

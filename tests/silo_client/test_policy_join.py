@@ -204,6 +204,24 @@ def test_a_silo_of_the_previous_protocol_is_refused_by_a_hub_whose_run_has_priva
         app.stop()
 
 
+def test_a_silo_whose_shares_do_not_carry_the_session_parameters_is_refused_at_join_signed_or_not(tmp_path):
+    # Shares now carry the session's parameters: a silo of the earlier form would join an unsigned secure run and
+    # make every mixed neighbourhood abort mid-round. The hub asks for the feature whenever secure aggregation is on.
+    app, port = start_hub(tmp_path, privacy={"secure_aggregation": {"enabled": True}})
+    try:
+        assert not app.hub.terms.secure_aggregation.signed  # --insecure-dev-only: an unsigned session
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = silo_pb2_grpc.FederationStub(channel)
+            earlier = silo_pb2.JoinRequest(client_version="0.2.0", num_unlabeled=10, device="cpu", protocol_version=2,
+                                           features=["typed_terms", "policy"])
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Join(earlier, timeout=10, metadata=((DEV_IDENTITY_KEY, "dev-1"),))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "(typed_terms, secagg_2)" in err.value.details() and "without secagg_2" in err.value.details()
+    finally:
+        app.stop()
+
+
 def test_a_silo_refuses_a_hub_too_old_to_state_terms(tmp_path):
     app, port = start_hub(tmp_path)
     app.hub.run_description = {**app.hub.run_description, "protocol_version": 0, "terms": None}  # protocol 1

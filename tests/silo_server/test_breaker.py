@@ -13,7 +13,7 @@ import yaml
 from security.secagg import SecAggParams
 from silo_core.algorithms.base import SiloResult
 from silo_server.cli import main as server_main
-from silo_server.rounds.breaker import BreakerHunt, QuarantineList
+from silo_server.rounds.breaker import BreakerHunt, BreakerSearch, QuarantineList
 from silo_server.rounds.privacy import PrivacySection
 from tests.silo_server.test_hostile_silo import HostileSecAggSilo, _wait
 from tests.silo_server.test_privacy import D, Silo, make, round_until_stopped
@@ -69,6 +69,24 @@ def test_a_search_that_every_suspect_passed_ends_and_a_later_failure_starts_afre
     assert hunt.passed(["a", "b", "c", "d"]) is None and not hunt.active
     assert hunt.failed(["a", "b", "c", "d", "e"]) is None
     assert hunt.suspects == {"a", "b", "c", "d", "e"}
+
+
+def test_a_search_whose_remaining_suspects_left_ends_instead_of_lasting_for_ever():
+    # A suspect that is no longer live (revoked, as the log advises) is in no passing sum: the search stayed active,
+    # every cohort came back None ("no spare silos") and charged q = 1, and a later failure with another breaker
+    # intersected with the old suspects and named an honest silo that had passed.
+    search = BreakerSearch(quarantine=lambda q: None, seed=0)
+    search.sum_refused(1, 1, ["s0", "s1", "s2", "s3"])
+    search.sum_passed(1, ["s0", "s1", "s2", "x"])
+    live = ["s0", "s1", "s2", "x", "s4", "s5", "d"]  # s3 is gone
+    assert search.hunt.exhausted(live)
+    assert search.cohort(live, 4, 2, 1) is None  # the usual sample
+    assert not search.hunt.active
+    assert search.hunt.failed(["s0", "s4", "s5", "d"]) is None  # a new search, from this cohort alone
+    assert search.hunt.suspects == {"s0", "s4", "s5", "d"}
+    # No suspect live at all (the search waits for them): the usual sample, and the search goes on
+    search.hunt.passed(["s4"])
+    assert search.cohort(["a", "b", "c", "e", "f"], 4, 3, 1) is None and search.hunt.active
 
 
 class CountWeightedBreaker(HostileSecAggSilo):
