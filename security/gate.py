@@ -36,9 +36,10 @@ from security.tls import declared_identity, peer_certificate, peer_identity
 class AccessDenied(Exception):
     """A caller the hub will not serve. ``code`` is a gRPC status name, ``reason`` a low-cardinality label."""
 
-    def __init__(self, code: str, reason: str, message: str, silo_id: str | None = None):
+    def __init__(self, code: str, reason: str, message: str, silo_id: str | None = None, serial: int | None = None):
         super().__init__(message)
         self.code, self.reason, self.message, self.silo_id = code, reason, message, silo_id
+        self.serial = serial  # of the refused certificate, where the refusal is about that one certificate
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class PeerGate:
             raise AccessDenied(
                 "UNAUTHENTICATED", "revoked",
                 f"the certificate of silo {cn} (serial {facts.serial:x}) has been revoked; ask the federation "
-                "operator for a new one", cn,
+                "operator for a new one", cn, facts.serial,
             )
         if facts.not_after <= dt.datetime.now(dt.UTC):
             raise AccessDenied(

@@ -224,12 +224,16 @@ class RoundLoop:
             HubPrivacy.drop(t.privacy, silo_id)
         return True
 
-    def evict(self, silo_id: str) -> None:
+    def evict(self, silo_id: str, serial: int | None = None) -> None:
         """A silo whose certificate was revoked: never sampled again (its record stays for the model card), and it
         leaves the current round at once, so the round goes on with the rest instead of waiting out its deadline.
         Only a change wakes the waiting long-polls: a revoked silo calling back to back (each call refused at the
-        gate, before any rate limit) must not make every waiting silo's poll run again per call."""
+        gate, before any rate limit) must not make every waiting silo's poll run again per call. With `serial`
+        (the revoked certificate's), only when it is the one the silo's live session holds."""
         with self.cond:
+            live = self.registry.silos.get(silo_id)
+            if serial is not None and live is not None and live.serial is not None and live.serial != serial:
+                return
             revoked = self.registry.revoke(silo_id, in_round=self.task is not None and silo_id in self.task.sampled)
             if self.leave_round(silo_id) or revoked:
                 self.cond.notify_all()

@@ -275,7 +275,10 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
             peer = self.gate.admit(context)
         except AccessDenied as denied:
             if denied.reason == "revoked" and denied.silo_id:
-                self.hub.rounds.evict(denied.silo_id)  # never sampled again, and out of its round at once
+                # Out of its round and never sampled again, when the revoked certificate is the one its session
+                # holds: a call with an old certificate, revoked when the silo was given a new one, leaves the
+                # silo's live session alone.
+                self.hub.rounds.evict(denied.silo_id, serial=denied.serial)
             who = validation.printable(denied.silo_id or f"unidentified peer {context.peer()}", 140)
             # Counted every time, logged once a minute per peer and reason: a revoked silo that keeps calling
             # cannot fill the log.

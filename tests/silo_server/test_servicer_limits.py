@@ -48,6 +48,7 @@ class Federation:
     channels: dict[str, grpc.Channel]
     ca: Path
     hub_bundle: Path
+    port: int
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def federation(tmp_path) -> Iterator[Federation]:
         channels[name] = tls.secure_channel(f"127.0.0.1:{port}", pki.issue_silo(ca, name, tmp_path / name))
         stubs[name] = silo_pb2_grpc.FederationStub(channels[name])
         stubs[name].Join(silo_pb2.JoinRequest(num_unlabeled=10, device="cpu"), timeout=5)
-    yield Federation(hub, server, servicer, stubs, channels, ca, hub_bundle)
+    yield Federation(hub, server, servicer, stubs, channels, ca, hub_bundle, port)
     hub.stop()
     for channel in channels.values():
         channel.close()
@@ -213,6 +214,28 @@ def test_a_revoked_silo_that_keeps_calling_is_counted_each_time_and_logged_once(
     assert len(wakes) <= 2  # its eviction, once: not one wake-all per refused call
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused revoked from attacker")]
     assert len(lines) == 1  # not 30
+
+
+def test_a_call_with_a_revoked_old_certificate_leaves_the_silos_new_session_alone(federation, tmp_path):
+    # The gate refused by name: one call with an old, revoked certificate (the thief's, or a forgotten process)
+    # evicted the silo that had since joined with its new one, out of its round and its session serial cleared.
+    f = federation
+    old_stub = f.stubs["honest"]
+    pki.revoke(f.ca, "honest")  # the key was stolen: every certificate of that name so far
+    shutil.copy(f.ca / "crl.pem", f.hub_bundle / "crl.pem")
+    assert _code(_poll(old_stub, f.hub, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    assert f.hub.registry.silos["honest"].serial is None  # the session it held was that certificate's: evicted
+    new_channel = tls.secure_channel(f"127.0.0.1:{f.port}", pki.issue_silo(f.ca, "honest", tmp_path / "honest-new"))
+    try:
+        new_stub = silo_pb2_grpc.FederationStub(new_channel)
+        new_stub.Join(silo_pb2.JoinRequest(num_unlabeled=10, device="cpu"), timeout=5)
+        live = f.hub.registry.silos["honest"].serial
+        assert live is not None and f.hub.registry.silos["honest"].last_seen > 0
+        assert _code(_poll(old_stub, f.hub, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+        assert f.hub.registry.silos["honest"].serial == live and f.hub.registry.silos["honest"].last_seen > 0
+        assert "honest" in f.hub.registry.live_silos()
+    finally:
+        new_channel.close()
 
 
 def test_a_token_bucket_per_silo_and_call_refuses_past_its_rate_and_says_when_to_retry():
