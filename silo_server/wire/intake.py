@@ -16,7 +16,7 @@ from security import validation
 from security.secagg import ProtocolError
 from security.secagg.messages import DuplicateMessage, StageNotOpen
 from silo.v1 import silo_pb2
-from silo_core.tensors import ChunkAssembler, CodecError, TensorSpec, TooLarge
+from silo_core.tensors import TensorSpec
 from silo_server.rounds.aggregate import UploadBudget
 from silo_server.rounds.privacy import STAGE_UPLOADS, HubPrivacy
 from silo_server.rounds.round_loop import ActiveTask, RoundLoop
@@ -244,7 +244,8 @@ class TaskIntake:
                                       f"silo {silo_id} was not sampled for round {t.round}")
             if stage == "advertise_keys" and not t.open:
                 raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task", "the training phase is over")
-        total = int(header.get("total_bytes", 0))
+        h = registry.validate(silo_id, lambda: validation.check_upload_header(header))  # a negative size, say
+        total = h.total_bytes
         # Checked before any room in the upload budget is held: a silo cannot hold more of it than its stage takes,
         # nor send more than wire.max_upload_bytes.
         limit = min(self.wire.max_upload_bytes, HubPrivacy.stage_bytes(t.privacy, stage))
@@ -252,19 +253,20 @@ class TaskIntake:
             raise registry.refuse(silo_id, "RESOURCE_EXHAUSTED", "oversized",
                                   f"a {stage} message of {total} bytes exceeds the {limit} this round's session allows")
         # Under the budget like any upload: a hundred masked inputs arriving together wait for room in turn.
-        with self.upload_budget.hold(total, lambda: rounds.task is t):
+        def still_open() -> bool:
+            return rounds.task is t
+
+        with self.upload_budget.hold(total, still_open):
+            # As a clear upload's stream: empty chunks, gaps and overlaps refused, and the round's close ends it (a
+            # stream kept open past its round held its room in the budget, an Upload slot and a worker thread).
             try:
-                assembler = ChunkAssembler(total, limit)
-                for offset, data in chunks:
-                    assembler.add(offset, data)
-                payload = assembler.finish(str(header.get("sha256", "")))
-            except CodecError as err:
-                code = "RESOURCE_EXHAUSTED" if isinstance(err, TooLarge) else "INVALID_ARGUMENT"
+                payload = validation.read_stream(total, h.sha256, chunks, limit, still_open=still_open)
+            except validation.Invalid as err:
                 with self.cond:
                     if rounds.task is t:
                         rounds.leave_round(silo_id)  # a message the session cannot use: a dropout
                         self.cond.notify_all()
-                raise registry.refuse(silo_id, code, "bad_payload", str(err)) from None
+                raise registry.refuse(silo_id, err.code, err.reason, err.message) from None
             with self.cond:
                 if rounds.task is not t:
                     raise registry.refuse(silo_id, "FAILED_PRECONDITION", "stale_task",

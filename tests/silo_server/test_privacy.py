@@ -19,6 +19,7 @@ from silo_server.hub import Hub, Refusal
 from silo_server.rounds.privacy import HubPrivacy, PrivacySection, check_clip_tensors
 from silo_server.state.checkpoint import load_latest
 from silo_server.state.registry import Departure
+from tests.conftest import wait_for
 from tests.silo_server.hubs import build_hub
 
 D = 4000
@@ -185,6 +186,37 @@ def test_a_silo_silent_after_its_keys_holds_each_stage_only_the_wait_after_the_q
     assert record.secagg.contributors == 4 and "s3" not in hub.records.contributed
     assert 1.0 <= record.secagg.stage_seconds["share_keys"] < 30  # the quorum's wait, not the 60 s deadline
     assert all(seconds < 30 for seconds in record.secagg.stage_seconds.values())
+
+
+def test_a_stage_message_streamed_as_empty_chunks_is_refused_and_frees_its_room_in_the_budget(tmp_path):
+    # The stage path read chunks with no check of its own: a stream of empty chunks (each resetting the idle cut)
+    # held its room in the upload budget, an Upload slot and a worker thread past its round, for ever.
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG), deadline_s=60.0)
+    for i in range(5):
+        hub.join(f"s{i}", 10, 0, "cpu")
+    thread, _ = round_until_stopped(hub)
+    try:
+        wait_for(lambda: hub.rounds.task is not None and "s0" in hub.rounds.task.sampled, 30, "a round")
+        t = hub.rounds.task
+        header = {"run_id": hub.run_id, "task_id": t.task_id, "round": t.round, "secagg_stage": "advertise_keys",
+                  "total_bytes": 1000, "sha256": "0" * 64}
+        held = []
+
+        def empty_chunks():  # a silo's stream that would never end (one every 59 s beats the idle cut)
+            for _ in range(1000):
+                held.append(hub.intake.upload_budget.held)
+                yield 0, b""
+
+        with pytest.raises(Refusal) as refused:
+            hub.upload("s0", header, empty_chunks())
+        # refused at the first empty chunk (the old path read all 1,000), and its room given back
+        assert (refused.value.reason, held, hub.intake.upload_budget.held) == ("bad_stream", [1000], 0)
+        with pytest.raises(Refusal) as refused:  # nor a negative size, which lowered the budget's count
+            hub.upload("s1", {**header, "total_bytes": -5}, iter([]))
+        assert refused.value.reason == "bad_header" and hub.intake.upload_budget.held == 0
+    finally:
+        hub.stop()
+        thread.join(30)
 
 
 def test_a_silo_remembers_the_sessions_it_signed_and_calls_running_one_again_a_breach(tmp_path):
