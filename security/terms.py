@@ -104,8 +104,9 @@ def protocol_needed(terms: silo_pb2.PrivacyTerms) -> tuple[int, tuple[str, ...]]
     if not uses_privacy(terms):
         return 1, ()
     sa = terms.secure_aggregation
-    features = (TYPED_TERMS, *((SECAGG,) if sa.enabled else ()), *((SIGNED_SECAGG,) if sa.signed else ()))
-    return PROTOCOL_VERSION, features
+    # signed_secagg_2 implies secagg_2 (its shares carry the session's parameters too)
+    secagg = (SIGNED_SECAGG,) if sa.signed else (SECAGG,) if sa.enabled else ()
+    return PROTOCOL_VERSION, (TYPED_TERMS, *secagg)
 
 
 def as_dict(message: Any) -> dict[str, Any]:

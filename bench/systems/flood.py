@@ -129,7 +129,7 @@ def silent(tree: Path, folder: Path) -> dict:
     import grpc
 
     from security import tls
-    from security.terms import SECAGG, SIGNED_SECAGG, TYPED_TERMS
+    from security.terms import SIGNED_SECAGG, TYPED_TERMS
     from silo.v1 import silo_pb2, silo_pb2_grpc
 
     port = free_port()
@@ -142,7 +142,7 @@ def silent(tree: Path, folder: Path) -> dict:
         channel = tls.secure_channel(f"127.0.0.1:{port}", quiet.certs)
         stub = silo_pb2_grpc.FederationStub(channel)
         run_id = stub.Join(silo_pb2.JoinRequest(num_unlabeled=20, device="cpu", protocol_version=2,
-                                                features=[TYPED_TERMS, SECAGG, SIGNED_SECAGG]), timeout=30).run.run_id
+                                                features=[TYPED_TERMS, SIGNED_SECAGG]), timeout=30).run.run_id
         for s in staged.silos[:3]:
             procs.append(start(tree, folder / f"{s.name}.log", "silo_client.cli", "--data", str(s.data), "--certs",
                                str(s.certs), "--hub", f"127.0.0.1:{port}", "--state-dir", str(s.state_dir),

@@ -205,7 +205,10 @@ class FedAvgFixMatchSilo(SiloAlgorithm):
         if data.true_labels is not None:
             metrics["pl_correct"] = correct
         # n_k: the images it trained on, less files found unreadable on the way (the count its next join declares)
-        weight = 1.0 if o.aggregation == "uniform" else float(readable(data.images).sum())
+        n_read = int(readable(data.images).sum())
+        if n_read < 2:  # its files went unreadable while it trained (a lost mount, say): nothing to send
+            return SiloResult(tensors={}, metrics=metrics, skipped=True)
+        weight = 1.0 if o.aggregation == "uniform" else float(n_read)
         tensors = weighted_delta(model, start, weight)
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         metrics.update({"train_loss": total_loss / max(steps, 1), "train_steps": float(steps)})

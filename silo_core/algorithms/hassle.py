@@ -355,8 +355,9 @@ class HASSLESilo(SiloAlgorithm):
                 raise ValueError("labeled images need one label each (SiloData.labeled_labels)")
             t, m = self._dual_update(plan, data.labeled_images, data.labeled_labels, "S", "U",
                                      o.temperature_supervised, gen)
-            tensors.update(t)
-            metrics.update(m)
+            if float(t["S/weight"]) >= 2:  # else its files went unreadable while it trained: the group is left out
+                tensors.update(t)
+                metrics.update(m)
         if len(data.images) >= 2:
             # Eq. 11: pseudo-labels from the supervised model complemented by its residual.
             specs = _specs(spec, o)

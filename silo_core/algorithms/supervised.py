@@ -64,7 +64,10 @@ class SupervisedSilo(SiloAlgorithm):
             device=self.device, generator=gen, flip=o.flip,
         )
         # n_k: less files found unreadable while training (the count its next join declares)
-        weight = 1.0 if o.aggregation == "uniform" else float(readable(data.images).sum())
+        n_read = int(readable(data.images).sum())
+        if n_read < 2:  # its files went unreadable while it trained: nothing to send
+            return SiloResult(tensors={}, metrics={}, skipped=True)
+        weight = 1.0 if o.aggregation == "uniform" else float(n_read)
         tensors = weighted_delta(model, start, weight)
         tensors["weight"] = torch.tensor([weight], dtype=torch.float32)
         return SiloResult(tensors=tensors, metrics={"train_loss": loss})

@@ -97,11 +97,12 @@ class BreakerHunt:
             # starts a new one (silos that joined since are not the only suspects of it).
             self.suspects, self.cleared = set(), set()
 
-    def exhausted(self, live: Sequence[str]) -> bool:
-        """Whether the search can learn nothing more: suspects are live and every one of them has behaved in a
-        passing sum (one that left, was revoked or quarantined is in none, and must not keep the search going)."""
-        here = [s for s in live if s in self.suspects]
-        return self.active and bool(here) and all(s in self.cleared for s in here)
+    def exhausted(self, gone: Iterable[str]) -> bool:
+        """Whether the search can learn nothing more: every suspect has behaved in a passing sum or is `gone` for
+        good (left by its policy, revoked, quarantined: in no sum again, it must not keep the search going). A
+        suspect only offline for now, or one that dropped out of a round, keeps it waiting: a breaker that skipped
+        the rounds that would single it out must not end the search and start the next one afresh."""
+        return self.active and self.suspects <= self.cleared | set(gone)
 
     def cohort(self, live: Sequence[str], size: int, rng: random.Random) -> list[str] | None:
         """A cohort of `size` live silos holding about half of the live suspects that no passing sum has held yet
@@ -143,14 +144,15 @@ class BreakerSearch:
         self.seed = seed
         self.said_no_spare = False  # the hub said once that it cannot search (no spare silos)
 
-    def cohort(self, live: list[str], size: int, r: int, attempt: int) -> set[str] | None:
+    def cohort(self, live: list[str], size: int, r: int, attempt: int, gone: Iterable[str] = ()) -> set[str] | None:
         """A cohort of `size` silos (the fewest a round may have: it splits the suspects fastest) holding about
         half of the live suspects; None for the usual random sample: no suspect is live (the search waits for
-        them), the search ended (every live suspect behaved), or no such cohort exists (no spare silos)."""
+        them), the search ended (every suspect behaved or is `gone` for good), or no such cohort exists (no spare
+        silos)."""
         rng = random.Random(self.seed * 1_000_003 + r * 101 + attempt + 7)
-        if self.hunt.exhausted(live):
+        if self.hunt.exhausted(gone):
             log.info("round %d: the search for the silo that breaks the secure sum ends with no one found: every "
-                     "live suspect has behaved in a passing sum (a later failure starts a new search)", r)
+                     "suspect has behaved in a passing sum or left the run (a later failure starts a new search)", r)
             self.hunt.restore({})
             return None
         if not any(s in self.hunt.suspects for s in live):

@@ -384,7 +384,8 @@ class RoundLoop:
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
             sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
             # A sum failed its check: this cohort holds only part of the suspects (None: the usual sample).
-            cohort = self.breaker.cohort(live, self.fewest_sampled(), r, attempt) if self.hunt.active else None
+            cohort = (self.breaker.cohort(live, self.fewest_sampled(), r, attempt, self.registry.gone_for_good())
+                      if self.hunt.active else None)
             sampled = cohort if cohort is not None else sampled
             task = ActiveTask(
                 round=r, attempt=attempt,

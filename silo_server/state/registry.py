@@ -362,6 +362,15 @@ class SiloRegistry:
             record.told_done = True
 
     # ------------------------------------------------------------------ liveness
+    def gone_for_good(self) -> set[str]:
+        """Silos that will not be sampled again unless their operator acts: left by their policy, quarantined, or
+        revoked (revoke leaves no last_seen and no serial; a new certificate's join sets both again). A silo that
+        dropped out of a round, or is offline for a while, may come back by itself: not these."""
+        kept_out = self.quarantine.names() if self.quarantine is not None else set()
+        with self.cond:
+            return {s for s, r in self.silos.items()
+                    if r.left is not None or s in kept_out or (not r.last_seen and r.serial is None)}
+
     def live_silos(self) -> list[str]:
         """Silos that can be sampled: heard from within liveness_s and done preparing."""
         return self._heard_from(ready=True)

@@ -262,10 +262,13 @@ class TaskIntake:
             try:
                 payload = validation.read_stream(total, h.sha256, chunks, limit, still_open=still_open)
             except validation.Invalid as err:
-                with self.cond:
-                    if rounds.task is t:
-                        rounds.leave_round(silo_id)  # a message the session cannot use: a dropout
-                        self.cond.notify_all()
+                # A message the session cannot use makes its sender a dropout; a stream that stalled (the silo may
+                # send it again) or outlived its round does not.
+                if err.reason not in ("stream_idle", "stale_task"):
+                    with self.cond:
+                        if rounds.task is t:
+                            rounds.leave_round(silo_id)
+                            self.cond.notify_all()
                 raise registry.refuse(silo_id, err.code, err.reason, err.message) from None
             with self.cond:
                 if rounds.task is not t:

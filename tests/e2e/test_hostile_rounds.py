@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from security import tls
-from security.terms import SECAGG, SIGNED_SECAGG, TYPED_TERMS
+from security.terms import SIGNED_SECAGG, TYPED_TERMS
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_core.tensors import encode, sha256_hex
 from silo_sim.stage import stage_federation
@@ -69,7 +69,7 @@ def test_a_flood_a_silent_silo_and_a_sum_breaker_do_not_slow_the_honest_rounds(t
     channel = tls.secure_channel(f"127.0.0.1:{port}", silent.certs)
     stub = silo_pb2_grpc.FederationStub(channel)
     join = silo_pb2.JoinRequest(num_unlabeled=20, device="cpu", protocol_version=2,
-                                features=[TYPED_TERMS, SECAGG, SIGNED_SECAGG])
+                                features=[TYPED_TERMS, SIGNED_SECAGG])
     run_id = wait_for(lambda: _join(stub, join), 120, "silo-008 to join")
     task = wait_for(lambda: _train_task(stub, run_id), 240, "silo-008's first task")
     tensors = {e.name: torch.zeros(tuple(e.shape)) + (1.0 if e.name == "weight" else 0.0) for e in task.expected}

@@ -71,6 +71,12 @@ def test_a_silo_weighs_its_update_by_the_images_it_could_read(tmp_path):
     options = FedAvgFixMatchOptions(aggregation="samples", local_epochs=1, silo_batch_size=4)
     result = FedAvgFixMatchSilo(options, spec, torch.device("cpu")).local_update(plan, SiloData(images=images))
     assert len(images) == 4 and usable_count(images) == 3 and float(result.tensors["weight"]) == 3.0
+    # Every file gone unreadable while it trained (a lost mount): it sends nothing, not a weight of 0 (malformed)
+    for i in (0, 2, 3):
+        whole = (tmp_path / "d" / f"{i}.png").read_bytes()
+        (tmp_path / "d" / f"{i}.png").write_bytes(whole[: len(whole) // 2])
+    result = FedAvgFixMatchSilo(options, spec, torch.device("cpu")).local_update(plan, SiloData(images=images))
+    assert result.skipped and result.tensors == {} and usable_count(images) == 0
 
 
 def test_an_empty_data_folder_beside_a_labeled_one_is_a_labeled_only_silo(tmp_path):

@@ -72,21 +72,40 @@ def test_a_search_that_every_suspect_passed_ends_and_a_later_failure_starts_afre
 
 
 def test_a_search_whose_remaining_suspects_left_ends_instead_of_lasting_for_ever():
-    # A suspect that is no longer live (revoked, as the log advises) is in no passing sum: the search stayed active,
-    # every cohort came back None ("no spare silos") and charged q = 1, and a later failure with another breaker
+    # A suspect gone for good (revoked, as the log advises) is in no passing sum: the search stayed active, every
+    # cohort came back None ("no spare silos") and charged q = 1, and a later failure with another breaker
     # intersected with the old suspects and named an honest silo that had passed.
     search = BreakerSearch(quarantine=lambda q: None, seed=0)
     search.sum_refused(1, 1, ["s0", "s1", "s2", "s3"])
     search.sum_passed(1, ["s0", "s1", "s2", "x"])
-    live = ["s0", "s1", "s2", "x", "s4", "s5", "d"]  # s3 is gone
-    assert search.hunt.exhausted(live)
-    assert search.cohort(live, 4, 2, 1) is None  # the usual sample
+    live = ["s0", "s1", "s2", "x", "s4", "s5", "d"]  # s3 is not live ...
+    assert not search.hunt.exhausted(gone=())  # ... and only offline (or dropped): the search waits for it
+    assert search.cohort(live, 4, 2, 1) is None and search.hunt.active  # the usual sample meanwhile
+    assert search.hunt.exhausted(gone={"s3"})  # revoked: nothing more to learn
+    assert search.cohort(live, 4, 2, 1, gone={"s3"}) is None
     assert not search.hunt.active
     assert search.hunt.failed(["s0", "s4", "s5", "d"]) is None  # a new search, from this cohort alone
     assert search.hunt.suspects == {"s0", "s4", "s5", "d"}
     # No suspect live at all (the search waits for them): the usual sample, and the search goes on
     search.hunt.passed(["s4"])
     assert search.cohort(["a", "b", "c", "e", "f"], 4, 3, 1) is None and search.hunt.active
+
+
+def test_the_silos_gone_for_good_are_those_revoked_departed_or_quarantined_not_those_offline(tmp_path):
+    from silo_server.rounds.breaker import Quarantine
+    from silo_server.state.registry import Departure
+    from tests.silo_server.test_hub import make_hub
+
+    hub = make_hub(tmp_path)
+    for s in ("a", "b", "c", "d", "e"):
+        hub.join(s, 10, 0, "cpu", serial=ord(s))
+    hub.registry.revoke("a", in_round=False)
+    hub.leave("b", hub.run_id, Departure("budget", "lifetime_epsilon", "1", "1.1", "budget spent", 0))
+    hub.registry.quarantine.add(Quarantine("c", 1, 2, "breaks the sum", "2026-11-30T00:00:00"))
+    hub.registry.silos["d"].last_seen = 1.0  # offline for a long while: may come back by itself
+    assert hub.registry.gone_for_good() == {"a", "b", "c"}
+    hub.join("a", 10, 0, "cpu", serial=0x999)  # a new certificate
+    assert hub.registry.gone_for_good() == {"b", "c"}
 
 
 class CountWeightedBreaker(HostileSecAggSilo):
