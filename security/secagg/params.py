@@ -52,7 +52,8 @@ class SecAggParams(StrictConfig):
     modulus_bits: Literal[32, 64] = Field(32, description="sums live in Z_{2^m}; 32 halves the upload of 64")
     quantization: list[QuantizationRule] = Field(default_factory=_default_rules, min_length=1)
     max_masked_bytes: int = Field(1 << 30, ge=1024, le=64 << 30, description="cap on one masked upload")
-    stage_deadline_s: float = Field(120.0, gt=0, le=86_400, description="time limit of each stage after training")
+    stage_deadline_s: float = Field(120.0, gt=0, le=86_400, description="time limit of each stage after training "
+                                    "(the stages before unmask close sooner: rounds.wait_after_quorum_s after their quorum)")
     min_cohort: int = Field(
         2, ge=2, le=100_000, description="every round's sum holds the inputs of at least this many silos: the hub "
         "samples and waits for at least this many, and states it in the run's terms (a branch policy may require more)")
