@@ -69,10 +69,15 @@ class AggregationSection(StrictConfig):
 
     @model_validator(mode="after")
     def _rule_options(self) -> AggregationSection:
+        readers: dict[str, list[str]] = {}
         for name, rule in RULES.items():
             for option in rule.exclusive_options:
-                if name != self.rule and getattr(self, option) is not None:
-                    raise ValueError(f"aggregation.{option} applies to aggregation.rule: {name} only")
+                readers.setdefault(option, []).append(name)
+        for option, names in readers.items():
+            # Set in hub.yaml (even to its default) under a rule that never reads it: refused by name.
+            if option in self.model_fields_set and self.rule not in names:
+                raise ValueError(f"aggregation.{option} applies to aggregation.rule: {_one_of(names)} only; "
+                                 f"remove it or choose that rule")
         return self
 
     def aggregator(self) -> AggregationRule:
@@ -90,7 +95,8 @@ def coordinate_band(n: int, rule: str, trim_fraction: float) -> tuple[int, int]:
     coordinate_rule = get_rule(rule)
     if not isinstance(coordinate_rule, TrimmedMean):
         raise ValueError(f"aggregation.rule {rule} is not coordinate-wise")
-    return coordinate_rule.band(n, AggregationSection(rule=rule, trim_fraction=trim_fraction))
+    # model_copy: the median reads no trim_fraction, and a section that sets one for it is refused by validation
+    return coordinate_rule.band(n, AggregationSection(rule=rule).model_copy(update={"trim_fraction": trim_fraction}))
 
 
 # ---------------------------------------------------------------------------------------------- individual updates

@@ -196,8 +196,9 @@ class RoundLoop:
         return max(1, math.ceil(round(self.settings.quorum * sampled, 9)))
 
     def round_quorum(self, task: ActiveTask) -> int:
-        """The reports a round needs: its quorum, and under secure aggregation at least the run's pinned cohort."""
-        need = self.quorum_count(len(task.sampled))
+        """The reports a round needs: its quorum, the aggregation rule's fewest updates (Krum: 2f + 3; a round
+        closed with fewer would be refused), and under secure aggregation at least the run's pinned cohort."""
+        need = max(self.quorum_count(len(task.sampled)), self.rule_minimum(len(task.sampled)))
         return max(need, task.privacy.min_contributors) if task.privacy is not None else need
 
     def wait_after_quorum(self, task: ActiveTask) -> float:
@@ -210,6 +211,13 @@ class RoundLoop:
 
     def fewest_sampled(self) -> int:
         return self.privacy.fewest_sampled() if self.privacy is not None else 1
+
+    def rule_minimum(self, available: int) -> int:
+        """The aggregation rule's fewest updates (Krum: 2f + 3), as far as `available` silos allow: a round samples
+        and waits for that many, where only rounds.min_silos was checked against it and silos_per_round drew
+        rounds the rule then refused, attempt after attempt. With fewer silos than that the round is drawn as
+        usual and the rule refuses it (the failure names why)."""
+        return min(self.rule.min_updates(self.aggregation), available)
 
     # ------------------------------------------------------------------ silos leaving a round
     def leave_round(self, silo_id: str) -> bool:
@@ -382,7 +390,8 @@ class RoundLoop:
             if self.stop_event.is_set():
                 raise InterruptedError("hub stopping")
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
-            sampled = set(self.sampling.sample(live, r, attempt, at_least=self.fewest_sampled()))
+            sampled = set(self.sampling.sample(live, r, attempt,
+                                               at_least=max(self.fewest_sampled(), self.rule_minimum(len(live)))))
             # A sum failed its check: this cohort holds only part of the suspects (None: the usual sample).
             cohort = (self.breaker.cohort(live, self.fewest_sampled(), r, attempt, self.registry.gone_for_good())
                       if self.hunt.active else None)

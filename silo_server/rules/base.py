@@ -100,8 +100,9 @@ class AggregationRule(ABC):
       refuses the claim).
     - needs_trusted_update: the rule weighs the updates against the hub's own model change (FLTrust's root of
       trust, HubAlgorithm.trusted_update), so the algorithm must compute one.
-    - exclusive_options: aggregation keys (None by default) that only this rule reads; setting one under another
-      rule is refused, so an operator does not believe it applies.
+    - exclusive_options: the aggregation keys this rule reads that the plain mean does not (trim_fraction,
+      krum_byzantine, multi_krum_keep); setting one in hub.yaml under a rule that reads none of it is refused, so
+      an operator does not believe it applies.
     """
 
     name: ClassVar[str] = ""  # set by @register

@@ -47,6 +47,8 @@ class Krum(AggregationRule):
     silos' changes are averaged with their weights. A silo's part is its weight's share of the selected ones
     against its share of all (0: not selected)."""
 
+    exclusive_options = ("krum_byzantine",)
+
     def min_updates(self, settings: AggregationSection) -> int:
         return fewest_updates(settings.krum_byzantine)
 

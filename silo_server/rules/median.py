@@ -17,5 +17,7 @@ class Median(TrimmedMean):
     """The trimmed mean that cuts all but the middle: the band is the one middle position for an odd n, the two
     for an even n. Everything else (a silo's part, the sums) is the trimmed mean's."""
 
+    exclusive_options = ()  # its band is fixed: trim_fraction does not apply
+
     def band(self, n: int, settings: AggregationSection) -> tuple[int, int]:
         return (n - 1) // 2, n // 2 + 1

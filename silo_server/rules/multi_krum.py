@@ -17,7 +17,7 @@ class MultiKrum(Krum):
     """Krum keeping m updates instead of one: closer to the mean's accuracy when most silos are honest, at the
     same n >= 2f + 3."""
 
-    exclusive_options = ("multi_krum_keep",)
+    exclusive_options = ("krum_byzantine", "multi_krum_keep")
 
     def keep(self, n: int, settings: AggregationSection) -> int:
         return settings.multi_krum_keep or n - settings.krum_byzantine

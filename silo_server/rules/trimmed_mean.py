@@ -30,6 +30,8 @@ class TrimmedMean(AggregationRule):
     coordinates fell inside the band, against (hi - lo) / n of them were every silo alike; never inside the band
     counts it as excluded."""
 
+    exclusive_options = ("trim_fraction",)
+
     def band(self, n: int, settings: AggregationSection) -> tuple[int, int]:
         """The sorted positions [lo, hi) kept of n values: k cut at each end, never all of them (k <= (n-1)/2)."""
         k = min(math.floor(settings.trim_fraction * n), (n - 1) // 2)

@@ -17,7 +17,7 @@ def config(**sections):
 
 # ------------------------------------------------------------------ today's rules
 def test_the_registry_lists_todays_six_rules_with_their_constraints():
-    settings = AggregationSection(krum_byzantine=2)
+    settings = AggregationSection(rule="krum", krum_byzantine=2)
     declared = {name: (rule.needs_updates, rule.composes_with_secure_aggregation, rule.composes_with_dp,
                        rule.needs_trusted_update, rule().min_updates(settings)) for name, rule in RULES.items()}
     #                needs updates, secure aggregation, dp, trusted update, fewest updates (f = 2)
@@ -29,6 +29,33 @@ def test_the_registry_lists_todays_six_rules_with_their_constraints():
                         "fltrust": (True, False, False, True, 1)}
     assert list(RULES) == ["mean", "trimmed_mean", "median", "krum", "multi_krum", "fltrust"]  # hub.yaml's order
     assert all(get_rule(name).name == name for name in RULES)
+
+
+def test_an_option_set_under_a_rule_that_never_reads_it_is_refused():
+    with pytest.raises(ValueError, match="aggregation.trim_fraction applies to aggregation.rule: 'trimmed_mean' only"):
+        AggregationSection(rule="median", trim_fraction=0.3)
+    with pytest.raises(ValueError, match="aggregation.krum_byzantine applies to aggregation.rule: 'krum' or"):
+        AggregationSection(rule="mean", krum_byzantine=3)
+    assert AggregationSection(rule="multi_krum", krum_byzantine=2, multi_krum_keep=3).krum_byzantine == 2
+    assert AggregationSection(rule="median").trim_fraction == 0.1  # the default, not set: nothing to refuse
+
+
+def test_a_round_samples_and_waits_for_the_rules_fewest_updates_when_there_are_enough_silos(tmp_path):
+    # Only rounds.min_silos was checked against Krum's 2f + 3: silos_per_round 0.5 of 5 live silos drew rounds of
+    # 2 that Krum refused, attempt after attempt, and a quorum of 3 closed rounds it would refuse too.
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
+                    min_silos=5, silos_per_round=0.5, quorum=0.5, deadline_s=60.0,
+                    aggregation=AggregationSection(rule="krum", krum_byzantine=1))
+    assert hub.rounds.rule_minimum(5) == 5 and hub.rounds.rule_minimum(3) == 3
+    for s in "abcde":
+        hub.join(s, 10, 0, "cpu")
+    thread, _ = start_round(hub)
+    tasks = {s: wait_task(hub, s) for s in "abcde"}  # all five sampled, not 2
+    assert hub.rounds.round_quorum(hub.rounds.task) == 5
+    for s in "abcde":
+        upload(hub, s, tasks[s], {"delta/x": torch.ones(3), "weight": torch.tensor([1.0])})
+    thread.join(30)
+    assert hub.records.history[-1].silos_reported == 5 and hub.rounds.failed_attempts == 0
 
 
 def test_hub_yaml_names_the_registered_rules_when_it_refuses_one():
