@@ -30,7 +30,8 @@ from silo_server.rounds.breaker import QuarantineList
 from silo_server.rounds.memory import RssMeter
 from silo_server.rounds.privacy import HubPrivacy, RoundFailed
 from silo_server.rounds.robust import AggregationSection
-from silo_server.rounds.round_loop import PHASES, ActiveTask, RoundLoop
+from silo_server.rounds.round_loop import PHASES, RoundLoop
+from silo_server.rounds.task import ActiveTask
 from silo_server.settings import HALF_MIN_ELEMENTS, HubSettings, RoundSettings, WireLimits, wire_specs
 from silo_server.state.registry import (
     CERT_WARN_DAYS,

@@ -34,7 +34,8 @@ from silo_core.training import evaluate as evaluate_model
 from silo_server.config import load_config
 from silo_server.rounds.privacy import HubPrivacy
 from silo_server.rounds.robust import AggregationSection
-from silo_server.rounds.round_loop import ActiveTask, RoundLoop
+from silo_server.rounds.round_loop import RoundLoop
+from silo_server.rounds.task import ActiveTask
 from silo_server.settings import RoundSettings
 from silo_server.state.registry import ChangeCondition, SiloRegistry
 from silo_server.state.scoring import RunRecords

@@ -13,14 +13,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from security import validation
-from silo_core.algorithms.base import HubAlgorithm, HubState, RoundPlan
+from silo_core.algorithms.base import HubAlgorithm, HubState
 from silo_core.rounds import AggregationRound, RoundRecord, Sampling
-from silo_core.tensors import TensorSpec, encode, sha256_hex
-from silo_server.rounds.aggregate import RunningSum
+from silo_core.tensors import encode, sha256_hex
 from silo_server.rounds.breaker import BreakerHunt, BreakerSearch
 from silo_server.rounds.memory import RssMeter
 from silo_server.rounds.privacy import (
@@ -33,6 +32,7 @@ from silo_server.rounds.privacy import (
 )
 from silo_server.rounds.robust import AggregationRefused, AggregationSection, UpdateStore, aggregate
 from silo_server.rounds.sinks import CallbackSink, FailedAttempt, HistoryFile, RoundSink
+from silo_server.rounds.task import ActiveTask, Broadcast
 from silo_server.settings import RoundSettings, wire_specs
 from silo_server.state.registry import SiloRegistry
 from silo_server.state.scoring import RunRecords, short
@@ -40,54 +40,6 @@ from silo_server.state.scoring import RunRecords, short
 log = logging.getLogger("silo_server")
 
 PHASES = ("starting", "waiting_for_silos", "training", "aggregating", "done", "failed")
-
-
-@dataclass
-class Broadcast:
-    """A round's model for the live silos outside its sample (HubAlgorithm.broadcasts_model). One per round, shared
-    by its attempts, so a silo receives the round's model once even when the round is retried."""
-
-    received: set[str] = field(default_factory=set)  # silos that downloaded it without being sampled
-    bytes_down: int = 0
-    closed: bool = False  # the round's record is written: no more downloads (they would go uncounted)
-
-
-@dataclass
-class ActiveTask:
-    round: int
-    attempt: int
-    task_id: str
-    plan: RoundPlan
-    bundle: bytes
-    bundle_sha256: str
-    hyperparameters_json: str  # the algorithm's plan hyperparameters, as the wire carries them
-    sampled: set[str]
-    deadline: float
-    expected: dict[str, TensorSpec]  # what uploads must hold, in wire dtypes
-    started: float = field(default_factory=time.time)
-    reported: set[str] = field(default_factory=set)
-    report_seconds: list[float] = field(default_factory=list)  # seconds from the round's opening to each report
-    quorum_wait: float | None = None  # set when the round closed this long after its quorum, without the rest
-    skipped: set[str] = field(default_factory=set)
-    downloaded: set[str] = field(default_factory=set)
-    sums: RunningSum = field(default_factory=RunningSum)
-    bytes_up: int = 0
-    bytes_down: int = 0
-    open: bool = True
-    privacy: Any = None  # RoundPrivacy when privacy is on (silo_server/rounds/privacy.py)
-    accepted: dict[str, TensorSpec] | None = None  # what uploads must hold, when it differs from plan.expected
-    weight_caps: dict[str, float] = field(default_factory=dict)  # the most weight each sampled silo may carry
-    gone: set[str] = field(default_factory=set)  # sampled silos known to have left the round (revoked, aborted)
-    rss_at_open: int | None = None  # hub RSS when the task opened, and its peak until the task closed (Linux)
-    rss_peak_collecting: int | None = None
-    # Under a robust aggregation rule (not mean): the individual updates, one file each, instead of `sums`
-    # (which then holds only the silos' metrics).
-    updates: UpdateStore | None = None
-    broadcast: Broadcast | None = None  # set when the algorithm hands the round's model to every live silo
-    # Hyperparameters the hub adds to every plan (privacy.sample_dp). On the wire they travel as the task's typed
-    # privacy (silo.v1.TaskPrivacy.sample_dp), which a silo checks against the run's terms; the in-process transport
-    # adds them to the plan as they are.
-    round_hyperparameters: dict[str, Any] = field(default_factory=dict)
 
 
 class Transport(Protocol):

@@ -19,7 +19,8 @@ from silo.v1 import silo_pb2
 from silo_core.tensors import TensorSpec
 from silo_server.rounds.aggregate import UploadBudget
 from silo_server.rounds.privacy import STAGE_UPLOADS, HubPrivacy
-from silo_server.rounds.round_loop import ActiveTask, RoundLoop
+from silo_server.rounds.round_loop import RoundLoop
+from silo_server.rounds.task import ActiveTask
 from silo_server.settings import WireLimits
 from silo_server.state.registry import SiloRegistry
 
