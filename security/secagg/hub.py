@@ -131,44 +131,36 @@ class HubSession:
         self.total = np.zeros(0, self.dtype)
         return RoundAbandoned(f"secure aggregation session {self.session} abandoned: {reason}")
 
+    def _stages(self) -> dict[str, tuple[set[str], set[str]]]:
+        """Each stage: the silos asked for its message, and those that sent it."""
+        return {"advertise_keys": (set(self.ids), set(self.keys)), "share_keys": (self.u1, set(self.sealed)),
+                "masked_input": (self.u2, set(self.masked_from)),
+                "consistency": (self.u3, set(self.consistency_signatures)), "unmask": (self.u4, set(self.unmasked_from))}
+
     def waiting_for(self) -> set[str]:
         """Silos whose message the current stage still lacks (the wire layer waits for these or a deadline)."""
-        if self.stage == "advertise_keys":
-            pending = set(self.ids) - set(self.keys)
-        elif self.stage == "share_keys":
-            pending = self.u1 - set(self.sealed)
-        elif self.stage == "masked_input":
-            pending = self.u2 - self.masked_from
-        elif self.stage == "consistency":
-            pending = self.u3 - set(self.consistency_signatures)
-        elif self.stage == "unmask":
-            pending = self.u4 - self.unmasked_from
-        else:
-            pending = set()
-        return pending - self.gone
+        asked, sent = self._stages().get(self.stage, (set(), set()))
+        return asked - sent - self.gone
 
     def answered(self) -> int:
         """How many silos have sent the current stage's message and are still in the session."""
-        sent = {"advertise_keys": set(self.keys), "share_keys": set(self.sealed), "masked_input": self.masked_from,
-                "consistency": set(self.consistency_signatures), "unmask": self.unmasked_from}.get(self.stage, set())
-        return len(sent - self.gone)
+        return len(self._stages().get(self.stage, (set(), set()))[1] - self.gone)
 
     def closable(self) -> bool:
         """Whether closing share_keys, masked_input or consistency now would let the session go on, as its close
         method would judge the silos that answered (a stage closed on a quorum alone could abandon a round that
         waiting would have finished)."""
+        if self.stage not in ("share_keys", "masked_input", "consistency"):
+            return False
+        sent = self._stages()[self.stage][1]
         if self.stage == "share_keys":
-            return len(self._pruned(set(self.sealed))) >= self.min_survivors
-        answered = {"masked_input": self.masked_from, "consistency": set(self.consistency_signatures)}.get(self.stage)
-        return (answered is not None and len(answered) >= self.min_survivors
-                and all(len(self.graph[j] & answered) >= self.threshold for j in self.u2))
+            return len(self._pruned(sent)) >= self.min_survivors
+        return len(sent) >= self.min_survivors and all(len(self.graph[j] & sent) >= self.threshold for j in self.u2)
 
     def dropouts(self) -> set[str]:
         """Silos that left the protocol so far: gave up, or did not answer a stage they were part of."""
-        asked_answered = ((set(self.ids), set(self.keys)), (self.u1, set(self.sealed)), (self.u2, self.masked_from),
-                          (self.u3, set(self.consistency_signatures)), (self.u4, self.unmasked_from))
         out = set(self.gone)
-        for asked, answered in asked_answered:
+        for asked, answered in self._stages().values():
             out |= asked - answered
         return out
 
