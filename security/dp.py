@@ -281,13 +281,20 @@ class DPController:
             self.clip_norm = next_clip_norm(self.clip_norm, unclipped, a.target_quantile, a.learning_rate)
             if a.max_clip_norm is not None:  # the bound the run's terms promise the silos
                 self.clip_norm = min(self.clip_norm, a.max_clip_norm)
-        q = self.sample_rate(expected_silos, enrolled)
-        self.accountant.step(self.config.noise_multiplier, q)
-        self.rounds += 1
+        q = self.charge(expected_silos, enrolled)
         self.last = DPRound(epsilon=self.accountant.epsilon(), delta=self.config.delta,
                             epsilon_budget=self.config.epsilon_budget, noise_multiplier=self.config.noise_multiplier,
                             sample_rate=q, clip_norm=clip_norm, unclipped_fraction=unclipped)
         return out, self.last
+
+    def charge(self, expected_silos: int, enrolled: int) -> float:
+        """One accountant step at the round's sampling rate (returned): a sum the hub saw is charged whether or not
+        it is applied (a securely aggregated sum refused after unmasking was released all the same, and the silos'
+        ledgers count it)."""
+        q = self.sample_rate(expected_silos, enrolled)
+        self.accountant.step(self.config.noise_multiplier, q)
+        self.rounds += 1
+        return q
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()

@@ -387,6 +387,10 @@ class HubPrivacy:
         except validation.Invalid as err:
             # Counted without a silo label: no one silo is known to have sent it (the breaker search looks).
             hooks.refuse(None, err.code, err.reason, f"the securely aggregated sum of {n} silos: {err.message}")
+            if self.dp is not None:  # unmasked is released: the hub's count must not fall below the silos' ledgers
+                self.dp.charge(task.privacy.expected_silos, task.privacy.enrolled)
+                log.warning("round %d: the refused sum was unmasked, so it is charged: epsilon %.4f after %d "
+                            "rounds charged", task.round, self.dp.epsilon(), self.dp.rounds)
             raise SumRefused(f"the securely aggregated sum of {n} silos was refused: {err.message}",
                              contributors) from None
 

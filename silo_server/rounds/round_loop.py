@@ -406,7 +406,7 @@ class RoundLoop:
                 failure = str(failed)
                 if isinstance(failed, SumRefused):
                     self.breaker.sum_refused(task.round, task.attempt, failed.contributors)
-                    self.records.save_hunt(task.round)
+                    self.records.save_refused(task.round)
             finally:
                 if task.updates is not None:  # the round's update files go once it is applied or failed
                     task.updates.delete()

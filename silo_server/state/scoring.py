@@ -23,8 +23,9 @@ log = logging.getLogger("silo_server")
 
 Scorer = Callable[[HubState], dict[str, float]]
 
-# The breaker search as of the round's last failed attempt: a checkpoint is written only when a round is applied,
-# so without this file a hub restarted in the middle of a search would start it over from the cohort that failed.
+# The breaker search and the privacy accountant as of the round's last refused sum: a checkpoint is written only
+# when a round is applied, so without this file a hub restarted in the middle of a search would start it over from
+# the cohort that failed, and forget the epsilon the refused (but unmasked) sums spent.
 HUNT_FILE = "breaker_hunt.json"
 
 
@@ -94,35 +95,40 @@ class RunRecords:
         self.history = self._with_checkpoint_times(records_from_json(info.get("history", [])))
         self.initial = Scores.from_json(info.get("initial", {}))
         self.contributed = per_silo_counts(info, "rounds_contributed")
+        after = self._refused_after(state.round) or {}
         if self.privacy is not None:
-            self.privacy.load_state_dict(info.get("privacy"))
+            self.privacy.load_state_dict(after.get("privacy") or info.get("privacy"))
         if self.hunt is not None:
-            self.hunt.restore(self._hunt_after(state.round) or info.get("breaker_hunt") or {})
+            self.hunt.restore(after.get("breaker_hunt") or info.get("breaker_hunt") or {})
         log.info("resumed from checkpoint after round %d", state.round)
         return state, declared
 
-    def save_hunt(self, round_number: int) -> None:
-        """After a failed attempt of `round_number`: keep the breaker search as it now stands."""
+    def save_refused(self, round_number: int) -> None:
+        """After a refused secure sum in `round_number`: keep the breaker search and the accountant as they now
+        stand."""
+        saved: dict[str, Any] = {"run_id": self.run_id, "round": round_number}
         if self.hunt is not None:
-            write_json_atomic(self.state_dir / HUNT_FILE,
-                              {"run_id": self.run_id, "round": round_number, "breaker_hunt": self.hunt.to_json()})
+            saved["breaker_hunt"] = self.hunt.to_json()
+        if self.privacy is not None:
+            saved["privacy"] = self.privacy.state_dict()
+        write_json_atomic(self.state_dir / HUNT_FILE, saved)
 
-    def _hunt_after(self, checkpoint_round: int) -> dict[str, Any] | None:
-        """The search saved by a failed attempt of the round after the checkpoint, if any (older ones are in the
-        checkpoint already)."""
+    def _refused_after(self, checkpoint_round: int) -> dict[str, Any] | None:
+        """What a refused sum in the round after the checkpoint saved, if any (older ones are in the checkpoint
+        already)."""
         try:
             saved = json.loads((self.state_dir / HUNT_FILE).read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
-            log.warning("cannot read %s (%s): the breaker search goes on from the checkpoint's", HUNT_FILE, err)
+            log.warning("cannot read %s (%s): the breaker search and the privacy accountant go on from the "
+                        "checkpoint's", HUNT_FILE, err)
             return None
         if not isinstance(saved, dict) or saved.get("run_id") != self.run_id:
             return None
         if saved.get("round") != checkpoint_round + 1:
             return None
-        hunt = saved.get("breaker_hunt")
-        return hunt if isinstance(hunt, dict) else None
+        return {k: v for k, v in saved.items() if k in ("breaker_hunt", "privacy") and isinstance(v, dict)}
 
     def _with_checkpoint_times(self, history: list[RoundRecord]) -> list[RoundRecord]:
         """A checkpoint cannot hold its own write time; history.json, written just after it, has it. Only that

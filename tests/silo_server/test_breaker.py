@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from security.dp import DPConfig
 from security.secagg import SecAggParams
 from silo_core.algorithms.base import SiloResult
 from silo_server.cli import main as server_main
@@ -134,6 +135,30 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     again = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)
     assert again.rounds.resume_or_init().round == 0
     assert again.rounds.hunt.to_json() == hub.rounds.hunt.to_json()
+
+
+def test_under_dp_a_refused_sum_is_charged_because_it_was_unmasked_and_the_charge_survives_a_restart(tmp_path):
+    # The silos' ledgers charge the masked input they sent; the hub unmasked the sum before refusing it, so the
+    # released sum counts at the hub too. Before, the hub's accountant skipped it and fell below the silos'.
+    params = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=2.0)
+    section = PrivacySection(secure_aggregation=params, dp=DPConfig(enabled=True, noise_multiplier=1.0,
+                                                                    clip_norm=200.0))
+    hub = make(tmp_path, section, min_silos=5, quorum=0.6)
+    silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=-30.0)]
+    for s in silos:
+        s.start()
+    runner, _ = round_until_stopped(hub)
+    _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
+    hub.stop()
+    runner.join(10)
+    assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate", 0) >= 1
+    charged = hub.privacy.dp.rounds
+    assert charged == hub.registry.refusals["bad_aggregate"] and hub.privacy.dp.epsilon() > 0
+    # No checkpoint since round 0: a restarted hub reads the charge from the refused attempt's file.
+    again = make(tmp_path, section, min_silos=5, quorum=0.6)
+    assert again.rounds.resume_or_init().round == 0
+    assert again.privacy.dp.rounds == charged
+    assert again.privacy.dp.epsilon() == pytest.approx(hub.privacy.dp.epsilon())
 
 
 def test_a_secure_aggregation_breaker_among_six_honest_silos_is_quarantined_and_the_run_finishes(tmp_path, caplog):

@@ -254,11 +254,21 @@ class RepeatsAndRushes(Silo):
                     self.refused.append(f"{again}: {r.code} {r.reason}")
 
 
+class SharesLate(Silo):
+    """Answers share_keys after a pause, so that the stage is still open when s0 repeats its message (on a busy
+    machine the other four once answered first, the stage closed and the repeat was stale, not a duplicate)."""
+
+    def send_stage(self, task_id, round_, stage, payload, charge=None, tensors=None):
+        if stage == "share_keys":
+            time.sleep(0.3)
+        super().send_stage(task_id, round_, stage, payload, charge, tensors)
+
+
 def test_a_repeated_or_early_stage_message_is_a_duplicate_or_stale_not_a_malformed_one(tmp_path):
     # bad_secagg fires the malformed-update alert: a repeat (a lost reply) or a message for a stage that is not
     # open (a stage deadline missed) is the silo's timing, not a broken message.
-    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG))
-    silos = [RepeatsAndRushes(hub, "s0", 1.0), *(Silo(hub, f"s{i}", 1.0) for i in range(1, 5))]
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG.model_copy(update={"stage_deadline_s": 3.0})))
+    silos = [RepeatsAndRushes(hub, "s0", 1.0), *(SharesLate(hub, f"s{i}", 1.0) for i in range(1, 5))]
     for s in silos:
         s.start()
     hub.run()
