@@ -218,6 +218,10 @@ class DPController:
         self.accountant = PrivacyAccountant(config.accountant, config.delta)
         self.rounds = 0
         self.generator = noise_generator(seed)
+        # Which silos a round samples is drawn from this, not from run.seed: the accountant's amplification by
+        # sampling (q < 1) holds only while no one outside the hub can repeat the draw, and run.seed is in every
+        # plan the silos receive. Checkpointed, so that a restarted hub keeps drawing from the same secret.
+        self.sampling_seed = secrets.randbits(62) if seed is None else seed
         self.last: DPRound | None = None
 
     # -- per round
@@ -302,7 +306,7 @@ class DPController:
     # -- checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {"accountant": self.accountant.to_json(), "clip_norm": self.clip_norm, "rounds": self.rounds,
-                "mode": self.mode}
+                "mode": self.mode, "sampling_seed": self.sampling_seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         acc = PrivacyAccountant.from_json(state["accountant"])
@@ -314,3 +318,5 @@ class DPController:
         if not clip > 0:
             raise ValueError("checkpointed clip norm must be positive")
         self.accountant, self.clip_norm, self.rounds = acc, clip, int(state["rounds"])
+        if isinstance(state.get("sampling_seed"), int):  # (a checkpoint from before it was kept: a fresh secret)
+            self.sampling_seed = state["sampling_seed"]

@@ -32,7 +32,8 @@ _THRESHOLD = re.compile(r"^threshold_class_(\d+)$")
 class Sampling:
     """Which silos take part in a round: rounds.silos_per_round (a fraction of those available) or
     rounds.silos_per_round_count (a number), drawn from the run's seed. The deployed hub and the in-process runner
-    both draw through here, so the same seed, round and silo names sample the same silos in both."""
+    both draw through here, so the same seed, round and silo names sample the same silos in both (under client DP
+    the hub passes a secret seed instead: silo_server/rounds/round_loop.py draw)."""
 
     fraction: float = 1.0
     count: int | None = None

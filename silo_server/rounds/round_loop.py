@@ -137,6 +137,15 @@ class RoundLoop:
         self.failed_attempts = 0  # attempts of the current round that failed in a row
 
     # ------------------------------------------------------------------ how many
+    def draw(self, live: list[str], round_number: int, attempt: int, at_least: int) -> list[str]:
+        """The silos a round attempt samples: from run.seed, so that silo-sim and a deployed hub draw alike, except
+        under client-level DP, whose accountant charges q < 1 only for a draw no one outside the hub can repeat
+        (run.seed is in every plan): then from the DP controller's secret seed."""
+        sampling = self.sampling
+        if self.privacy is not None and self.privacy.dp is not None:
+            sampling = replace(sampling, seed=self.privacy.dp.sampling_seed)
+        return sampling.sample(live, round_number, attempt, at_least=at_least)
+
     def sample_count(self, available: int) -> int:
         return self.sampling.how_many(available)
 
@@ -342,8 +351,8 @@ class RoundLoop:
             if self.stop_event.is_set():
                 raise InterruptedError("hub stopping")
             # Secure aggregation needs enough silos in a round to survive its documented dropouts.
-            sampled = set(self.sampling.sample(live, r, attempt,
-                                               at_least=max(self.fewest_sampled(), self.rule_minimum(len(live)))))
+            sampled = set(self.draw(live, r, attempt, at_least=max(self.fewest_sampled(),
+                                                                   self.rule_minimum(len(live)))))
             # A sum failed its check: this cohort holds only part of the suspects (None: the usual sample).
             cohort = (self.breaker.cohort(live, self.fewest_sampled(), r, attempt, self.registry.gone_for_good())
                       if self.hunt.active else None)

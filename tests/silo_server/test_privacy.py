@@ -461,6 +461,33 @@ def test_the_accountant_charges_the_rate_at_which_live_silos_are_sampled_not_eve
     assert record.dp.epsilon == pytest.approx(single.epsilon())
 
 
+def test_under_client_dp_the_sampled_silos_are_drawn_from_a_secret_not_from_run_seed_and_kept_on_restart(tmp_path):
+    """The accountant charges q = 4 / 16 for each round's draw: that holds only while no one outside the hub can
+    repeat the draw, and run.seed is in every plan the silos receive. Without DP the draw stays run.seed's, so that
+    silo-sim and a deployed hub sample alike."""
+    from silo_core.rounds import Sampling
+
+    live = [f"s{i:02d}" for i in range(16)]
+    public = Sampling(0.25, None, seed=0)
+    section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=1.0, clip_norm=40.0))
+
+    def hub_at(folder, privacy):
+        return build_hub(Mean(3), privacy=privacy, state_dir=folder, total_rounds=3, seed=0,
+                         run_description={"algorithm": "mean"}, min_silos=1, silos_per_round=0.25)
+
+    plain = hub_at(tmp_path / "plain", None)
+    assert all(plain.rounds.draw(live, r, 1, 1) == public.sample(live, r, 1) for r in range(1, 21))
+    private = hub_at(tmp_path / "dp", HubPrivacy(section))
+    draws = [private.rounds.draw(live, r, 1, 1) for r in range(1, 21)]
+    assert all(len(d) == 4 for d in draws)
+    assert sum(d != public.sample(live, r, 1) for r, d in enumerate(draws, start=1)) >= 15
+    assert HubPrivacy(section).dp.sampling_seed != private.privacy.dp.sampling_seed  # a fresh secret per hub
+    private.rounds.resume_or_init()  # writes the round-0 checkpoint, the secret with the accountant
+    again = hub_at(tmp_path / "dp", HubPrivacy(section))
+    again.rounds.resume_or_init()
+    assert [again.rounds.draw(live, r, 1, 1) for r in range(1, 21)] == draws
+
+
 def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
     z, clip = 0.5, 200.0  # D = 4000 values of 0.25 * (i + 1): norms ~16..79, never clipped
     section = PrivacySection(secure_aggregation=SECAGG, dp=DPConfig(enabled=True, noise_multiplier=z, clip_norm=clip))
