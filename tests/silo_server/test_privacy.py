@@ -488,6 +488,24 @@ def test_under_client_dp_the_sampled_silos_are_drawn_from_a_secret_not_from_run_
     assert [again.rounds.draw(live, r, 1, 1) for r in range(1, 21)] == draws
 
 
+def test_the_budget_check_before_a_round_prices_it_at_the_usual_draw_not_at_a_breaker_hunts_q_of_1():
+    """A round hunting a secure-sum breaker charges q = 1. The check before the next round priced it at that q
+    and stopped a run whose usual draw (q = 0.25) still fit the budget; a spent budget still stops it at once."""
+    from security.dp import BudgetExhausted
+
+    usual = PrivacyAccountant()
+    usual.step(1.0, 0.25, steps=10)
+    usual.step(1.0, 1.0)  # the hunt round
+    budget = usual.epsilon_after(1.0, 0.25) + 1e-6
+    assert not usual.allows(budget, 1.0, 1.0)  # one more q = 1 round would not fit
+    privacy = HubPrivacy(PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=1.0, epsilon_budget=budget)))
+    privacy.dp.accountant = usual
+    privacy.check_budget()  # goes on: the usual draw fits
+    usual.step(1.0, 0.25)
+    with pytest.raises(BudgetExhausted, match="would exceed the budget"):
+        privacy.check_budget()
+
+
 def test_distributed_noise_reaches_the_model_with_the_planned_std(tmp_path):
     z, clip = 0.5, 200.0  # D = 4000 values of 0.25 * (i + 1): norms ~16..79, never clipped
     section = PrivacySection(secure_aggregation=SECAGG, dp=DPConfig(enabled=True, noise_multiplier=z, clip_norm=clip))
