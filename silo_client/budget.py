@@ -90,13 +90,18 @@ class TaskBudget:
                            f"past the policy's budget of {p.lifetime_epsilon:g}", round_)
         return None
 
-    def charge(self, metrics: dict[str, float], silo_metrics: SiloMetrics) -> dict:
+    def charge(self, metrics: dict[str, float], silo_metrics: SiloMetrics, skipped: bool = False) -> dict:
         """The ledger's entry for this round, written before anything derived from it leaves: one client-level
         step when the round's noise guards against the hub, the DP-SGD total the algorithm reports. Returns the
         figures the audit records with every message of the round."""
         dp, privacy = self.pinned.client_dp, self.task.privacy
         charged = dp.noise_multiplier if (guards_against_hub(dp) and privacy.client_dp.enabled) else None
         sample = metrics.get("sample_dp_epsilon") if privacy.sample_dp.enabled else None
+        if sample is None and skipped and privacy.sample_dp.enabled:
+            # A round skipped before any DP-SGD step (too few confident images) still sends its zeros into a
+            # secure sum; it spent nothing at the sample level, so it keeps the run's total. Recorded as a round
+            # without DP-SGD, it made the run's sample-level epsilon infinite from then on.
+            sample = self.ledger.sample_total(self.run_id)
         figures = self.ledger.record_round(self.run_id, self.task.round, client_dp_noise=charged,
                                            sample_epsilon=sample, task=self.task.task_id)
         lifetime = self.ledger.lifetime_epsilon()

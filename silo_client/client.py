@@ -484,7 +484,7 @@ class SiloClient:
         secagg = bool(task.privacy.secagg_session)
 
         def charge() -> dict:  # the ledger's entry, written once the policy allows what leaves and before it does
-            return budget.charge(metrics, self.metrics)
+            return budget.charge(metrics, self.metrics, skipped=result.skipped)
 
         if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves, and when to charge
             sent = self.privacy.submit(self.silo_id, self.run.run_id, task, result, expected,

@@ -231,6 +231,11 @@ class BranchLedger:
         run = self._data["runs"].get(run_id)
         return float(run["delta"]) if run is not None else self.delta
 
+    def sample_total(self, run_id: str) -> float:
+        """The run's DP-SGD total recorded so far (0.0 before any)."""
+        run = self._data["runs"].get(run_id)
+        return (_dec(run["sample_epsilon"]) or 0.0) if run is not None else 0.0
+
     def run_epsilon(self, run_id: str) -> RunEpsilon:
         """The run's figures as of its last recorded round (RunEpsilon(None, None, 0.0) before any)."""
         rounds = self._run(run_id)["rounds"]

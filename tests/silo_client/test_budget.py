@@ -92,3 +92,26 @@ def test_the_silo_leaves_at_a_dp_sgd_limit_only_when_its_own_policy_set_the_tigh
     assert binding({"lifetime_epsilon": 3.0}, 4.0) == "lifetime_epsilon"  # 0.5 left after the earlier run
     assert binding({"algorithms": ["semifl"]}, 4.0) is None  # a policy with no epsilon clause never leaves for it
     assert binding(None, 4.0) is None
+
+
+def test_a_round_skipped_before_dp_sgd_keeps_the_runs_sample_level_epsilon_instead_of_making_it_infinite(tmp_path):
+    # SemiFL skips a round where fewer than two images pass tau; under secure aggregation the silo still sends its
+    # zeros and is charged. That charge carried no DP-SGD figure and recorded a round outside DP-SGD: the run's
+    # sample-level epsilon (and so its per-image one, without client-level DP) turned infinite.
+    ledger = begun(BranchLedger(tmp_path), "run-a", z=None, sample_dp=True)
+    metrics = SiloMetrics(SiloMetricFamilies(), "s")
+    no_client = silo_pb2.PrivacyTerms()
+
+    def charge(round_, figures, skipped=False):
+        return TaskBudget(None, ledger, no_client, "run-a", task(round_, client_dp=False, sample_dp=True,
+                                                                   sample_budget=8.0)).charge(figures, metrics,
+                                                                                             skipped=skipped)
+
+    charge(1, {}, skipped=True)  # before any DP-SGD step: nothing spent yet
+    assert ledger.run_epsilon("run-a").sample == 0.0
+    charge(2, {"sample_dp_epsilon": 1.25})
+    charge(3, {"pl_total": 40.0, "pl_selected": 1.0}, skipped=True)
+    spent = ledger.run_epsilon("run-a")
+    assert spent.sample == 1.25 and spent.image == 1.25
+    charge(4, {"train_loss": 0.3})  # a trained round without the figure is still not covered by DP-SGD
+    assert ledger.run_epsilon("run-a").sample == math.inf
