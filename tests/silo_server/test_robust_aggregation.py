@@ -47,6 +47,10 @@ def test_median_and_trimmed_mean_are_exact_per_coordinate():
     value, _ = coordinate_wise(stack, *coordinate_band(5, "trimmed_mean", 0.2))  # k = 1 cut at each end
     assert torch.allclose(value, torch.tensor([3.0, 1.0], dtype=torch.float64))
     assert coordinate_band(3, "trimmed_mean", 0.45) == (1, 2)  # never cuts everything
+    # Any trim_fraction above 0 cuts at least one value at each end: the default 0.1 cut none below ten silos
+    assert coordinate_band(5, "trimmed_mean", 0.1) == (1, 4) and coordinate_band(9, "trimmed_mean", 0.1) == (1, 8)
+    assert coordinate_band(20, "trimmed_mean", 0.1) == (2, 18) and coordinate_band(5, "trimmed_mean", 0.0) == (0, 5)
+    assert coordinate_band(2, "trimmed_mean", 0.1) == (0, 2)  # two values: nothing can be cut
 
 
 def test_krum_picks_the_honest_cluster_when_one_silo_sends_a_huge_update():
