@@ -113,7 +113,11 @@ class SemiFLHub(HubAlgorithm):
     name = "semifl"
     options: SemiFLOptions
 
-    def _server_update(self, model: nn.Module, round_number: int, epochs: int) -> float:
+    def _server_update(self, model: nn.Module, round_number: int, epochs: int, shuffle_round: int | None = None
+                       ) -> float:
+        """Fine-tune on the hub's labels at round_number's learning rate, its batches drawn from shuffle_round's
+        stream (default round_number): the fine-tunes after rounds T-1 and T share the last learning rate, and
+        drawn from one stream they also shared their batches."""
         o, spec = self.options, self.model_spec
         return hub_update(
             model,
@@ -126,7 +130,7 @@ class SemiFLHub(HubAlgorithm):
             mean=spec.mean,
             std=spec.std,
             device=self.device,
-            generator=seeded_generator(self.seed, round_number, 1),
+            generator=seeded_generator(self.seed, shuffle_round or round_number, 1),
             flip=o.flip,
         )
 
@@ -170,7 +174,7 @@ class SemiFLHub(HubAlgorithm):
                     buf = o.global_momentum * tensors[f"momentum/{name}"] + g
                     tensors[f"momentum/{name}"] = buf
                     param.sub_(o.global_lr * buf)
-        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs)
+        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs, shuffle_round=r + 1)
         tensors.update(model_tensors(model))
         metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight}
         metrics.update(pseudo_label_metrics(summed_metrics))

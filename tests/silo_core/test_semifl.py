@@ -112,16 +112,46 @@ def test_init_epochs_set_the_warm_up_before_round_1_and_hub_epochs_every_round_a
     hub = tiny_hub({"hub_epochs": 2, "init_epochs": 5})
     epochs_run = []
     real = hub._server_update
-    monkeypatch.setattr(hub, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
+    monkeypatch.setattr(hub, "_server_update",
+                        lambda model, r, epochs, **kw: epochs_run.append(epochs) or real(model, r, epochs, **kw))
     state = hub.init_state()
     hub.finish_round(state, {}, {})
     assert epochs_run == [5, 2]
     epochs_run.clear()
     default = tiny_hub({"hub_epochs": 3})  # no init_epochs: the warm-up is hub_epochs long, as in the paper
     real = default._server_update
-    monkeypatch.setattr(default, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
+    monkeypatch.setattr(default, "_server_update",
+                        lambda model, r, epochs, **kw: epochs_run.append(epochs) or real(model, r, epochs, **kw))
     default.finish_round(default.init_state(), {}, {})
     assert epochs_run == [3, 3]
+
+
+@pytest.mark.parametrize("algorithm", ["semifl", "fedseal"])
+def test_every_hub_fine_tune_draws_its_own_batches_the_last_two_share_only_the_learning_rate(monkeypatch, algorithm):
+    # The fine-tune after round r runs at round r + 1's learning rate, capped at the last round's: rounds T-1 and T
+    # share it, and their batches came from the same generator stream too.
+    import importlib
+
+    module = importlib.import_module(f"silo_core.algorithms.{algorithm}")
+    calls = []
+    real = module.hub_update
+
+    def recording(model, *args, generator, lr, **kw):
+        calls.append((generator.initial_seed(), lr))
+        return real(model, *args, generator=generator, lr=lr, **kw)
+
+    monkeypatch.setattr(module, "hub_update", recording)
+    if algorithm == "semifl":
+        hub = tiny_hub({"hub_epochs": 1}, rounds=3)
+    else:
+        from tests.silo_core.test_fedseal import tiny_hub as fedseal_hub
+        hub = fedseal_hub({"hub_epochs": 1}, rounds=3)
+    state = hub.init_state()
+    for _ in range(3):
+        state, _ = hub.finish_round(state, {}, {})
+    seeds, rates = [c[0] for c in calls], [c[1] for c in calls]
+    assert len(calls) == 4 and len(set(seeds)) == 4  # the warm-up and three rounds: four batch orders
+    assert rates[2] == rates[3]  # rounds 2 and 3 fine-tune at round 3's rate
 
 
 def test_pseudo_label_metrics_from_summed_counts():
