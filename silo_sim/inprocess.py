@@ -208,9 +208,16 @@ def _replay(work: Path, method: str, options: dict[str, Any], rounds: int, seed:
                   if config.data.validation is not None else None)
     silos = []
     for silo in sorted(StagedFederation.read(work).silos, key=lambda s: s.name):  # by name, as the folders were read before
-        images = load_unlabeled_folder(silo.data, size, channels).images
-        true_labels = torch.tensor(json.loads(silo.labels.read_text()), dtype=torch.int64)
-        silos.append(SiloData(images=images, true_labels=true_labels, silo_id=silo.name))
+        # As the silo client reads them (silo_client/local_data.py): its unlabeled folder, if it has one, and its
+        # labeled folder (--labeled-silos), which the replay dropped, so that HASSLE's labeled silos trained on less.
+        images, true_labels = torch.zeros((0, channels, size, size), dtype=torch.uint8), None
+        if silo.data is not None:
+            images = load_unlabeled_folder(silo.data, size, channels).images
+            true_labels = torch.tensor(json.loads(silo.labels.read_text()), dtype=torch.int64)
+        own = load_labeled_folder(silo.labeled, size, channels) if silo.labeled is not None else None
+        silos.append(SiloData(images=images, true_labels=true_labels, silo_id=silo.name,
+                              labeled_images=own.images if own is not None else None,
+                              labeled_labels=own.labels if own is not None else None))
     spec = ModelSpec.from_config(staged, len(labeled.classes))  # as the hub made it
     other_model = model is not None and model != spec.name
     if other_model:

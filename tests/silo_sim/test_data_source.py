@@ -168,3 +168,31 @@ def test_a_labeled_silo_gets_a_folder_for_every_class_even_those_its_shard_lacks
     assert len(classes) == 10
     assert sum(1 for d in folder.iterdir() if d.is_dir() and any(d.iterdir())) <= 2  # the rest are empty
     assert len(load_labeled_folder(folder, 28, 1).classes) == 10  # as the silo loads it for a 10-class run
+
+
+def test_the_in_process_replay_gives_a_labeled_silo_its_labeled_folder_as_the_silo_client_does(tmp_path,
+                                                                                            monkeypatch) -> None:
+    # replay_staged (the benchmark's wire check) read each silo's unlabeled folder only: HASSLE's labeled silos
+    # trained there on less than over the wire, where silo-client also loads --labeled.
+    import silo_sim.inprocess as inprocess
+
+    staged = stage_federation(tmp_path / "fed", num_silos=3, labels_per_class=1, labeled_silos=1,
+                              silo_labels_per_class=2, test_per_class=1, unlabeled_limit=60, seed=0)
+    seen = {}
+
+    def capture(hub, silo, silos, rounds, fraction, seed, evaluate):
+        seen.update({d.silo_id: (len(d.images), d.num_labeled, d.labeled_labels) for d in silos})
+        return None, []
+
+    monkeypatch.setattr(inprocess, "run_inprocess", capture)
+    inprocess.replay_staged(staged.root, "hassle", {}, rounds=1)
+    by_name = {s.name: s for s in staged.silos}
+    assert set(seen) == set(by_name)
+    for name, (unlabeled, labeled, labels) in seen.items():
+        spec = by_name[name]
+        assert (unlabeled, labeled) == (spec.num_images, spec.num_labeled)
+        if spec.labeled is not None:
+            assert labeled > 0 and len(labels) == labeled and labels.max() < 10
+        else:
+            assert labels is None
+    assert sum(1 for s in staged.silos if s.labeled is not None) == 1
