@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         if not args.no_baseline and args.algorithm != "server-only":  # server-only IS the baseline
             console.print("training the server-only baseline on the same labels ...")
-            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device)
+            baseline = server_only_baseline(staged, options, args.rounds, args.seed, args.device,
+                                            rounds_run=history[-1].round if history else 0)
         _, initial = read_history(staged.hub_state_dir / "history.json")
         console.print(summary_table(history, baseline, args.algorithm, initial))
         final = history[-1] if history else None
@@ -343,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
             accuracy = final.scores.test_accuracy or 0.0
             gain = 100 * (accuracy - baseline["test_accuracy"])
             verdict = "above" if gain > 0 else "NOT above"
+            early = (f" after the same {baseline['rounds']} of {args.rounds} rounds (the run ended early)"
+                     if baseline["rounds"] < args.rounds else "")
             console.print(f"{args.algorithm} final test accuracy {accuracy:.4f} is "
-                          f"{verdict} server-only {baseline['test_accuracy']:.4f} ({gain:+.1f} points); "
+                          f"{verdict} server-only {baseline['test_accuracy']:.4f}{early} ({gain:+.1f} points); "
                           f"federated run took {seconds:.0f}s")
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,11 @@ if not console.is_terminal:  # logs and pipes: wide enough that the summary tabl
     console = Console(stderr=False, width=120)
 
 
-def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str) -> dict[str, Any]:
-    """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat."""
+def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int, device: str,
+                         rounds_run: int | None = None) -> dict[str, Any]:
+    """The hub alone on the same labels, same model, same hub-side schedule: what the silos must beat. A run that
+    ended before its last round (its privacy budget spent) is compared after as many rounds (`rounds_run`), on the
+    schedule of all `rounds`, as its hub ran them: a baseline trained to the end had more hub epochs than the run."""
     import torch
 
     from silo_core.algorithms.base import HubData
@@ -48,11 +51,12 @@ def server_only_baseline(staged, options: dict[str, Any], rounds: int, seed: int
         algo.initial_weights = start[0]
     state = algo.init_state()
     started = time.time()
-    for _ in range(rounds):
+    ran = rounds if rounds_run is None else min(rounds_run, rounds)
+    for _ in range(ran):
         state, _ = algo.finish_round(state, {}, {})
     result = evaluate(algo.served_model(state), test.images, test.labels, spec.mean, spec.std, dev)
     return {"algorithm": "server-only", "test_accuracy": result["accuracy"], "test_loss": result["loss"],
-            "seconds": time.time() - started}
+            "seconds": time.time() - started, "rounds": ran}
 
 
 def baseline_options(options: dict[str, Any]):

@@ -147,3 +147,23 @@ def test_the_baseline_starts_from_the_runs_own_starting_weights(tmp_path, monkey
     monkeypatch.setattr(ServerOnlyHub, "init_state", lambda self: seen.append(self.initial_weights) or init_state(self))
     server_only_baseline(staged, {"hub_epochs": 1, "init_epochs": 1}, 1, 0, "cpu")
     assert len(seen) == 1 and seen[0] is not None and set(seen[0]) == set(start)
+
+
+def test_a_run_that_ended_early_is_compared_with_a_baseline_after_as_many_rounds_on_the_same_schedule(tmp_path,
+                                                                                                      monkeypatch):
+    # A run whose privacy budget ended it after round 2 of 5 was compared with a server-only baseline trained all
+    # 5 rounds: more hub epochs than the run had, understating the silos' lift.
+    from silo_core.algorithms.server_only import ServerOnlyHub
+    from silo_sim.report import server_only_baseline
+    from silo_sim.stage import stage_federation
+
+    staged = stage_federation(tmp_path / "fed", num_silos=2, labels_per_class=1, unlabeled_limit=20, test_per_class=1)
+    finished, real = [], ServerOnlyHub.finish_round
+    monkeypatch.setattr(ServerOnlyHub, "finish_round",
+                        lambda self, state, *a: finished.append((state.round + 1, self.total_rounds))
+                        or real(self, state, *a))
+    early = server_only_baseline(staged, {"hub_epochs": 1, "init_epochs": 1}, 5, 0, "cpu", rounds_run=2)
+    assert early["rounds"] == 2 and finished == [(1, 5), (2, 5)]  # round 2 of a 5-round schedule, as the hub ran it
+    finished.clear()
+    full = server_only_baseline(staged, {"hub_epochs": 1, "init_epochs": 1}, 5, 0, "cpu")
+    assert full["rounds"] == 5 and len(finished) == 5
