@@ -7,6 +7,7 @@ minutes on two CPU cores, then a summary table beside the server-only baseline t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = None
     launched: list[Launched] = []
     staging = None
+    using = contextlib.ExitStack()
     try:
         # Checking the options and staging run in a process of their own (they import torch and hold the data set);
         # this one starts the hub and the silo hosts when it is told the hub's part is staged, then follows the run.
@@ -322,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         done = None
         for event in staging.events():
             if event["kind"] == "hub_staged":
+                if event.get("kept"):  # held until this run ends: no other run's eviction removes its files
+                    from silo_sim.staging_cache import in_use
+
+                    using.enter_context(in_use(event["kept"]))
                 args.needs_silos = event["needs_silos"]
                 launched.append(launch(StagedFederation.from_json(event["staged"]), args, launcher))
             elif event["kind"] == "staged":
@@ -377,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             terminate(early.procs)
         if workdir is not None and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        using.close()
 
 
 if __name__ == "__main__":

@@ -131,8 +131,8 @@ def stage(args, plan: Plan) -> None:
     if cleared:
         console.print(f"removed the state of an earlier run in {args.workdir} ({len(cleared)} folders)")
 
-    def hub_staged(hub_part) -> None:
-        tell("hub_staged", staged=hub_part.to_json(), needs_silos=plan.needs_silos)
+    def hub_staged(hub_part) -> None:  # `kept`: the kept federation the run reads from (staging_cache.in_use)
+        tell("hub_staged", staged=hub_part.to_json(), needs_silos=plan.needs_silos, kept=key)
 
     t0 = time.time()
     what = f"{args.silos} silos, {args.labels_per_class} hub labels per class and certificates"

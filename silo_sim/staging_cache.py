@@ -150,9 +150,21 @@ def kept_federation(key: str) -> Iterator[tuple[Path, bool]]:
         (folder / COMPLETE).write_text(dt.datetime.now(dt.UTC).isoformat())  # also: last used
 
 
+@contextlib.contextmanager
+def in_use(key: str) -> Iterator[None]:
+    """Held by a silo-sim run for as long as its hub and silos read the kept federation `key` (a shared lock, so
+    runs of the same federation go side by side): evict leaves it alone. The key's staging lock is held only while
+    staging, so a benchmark's other cells, staging federations of their own, evicted one a cell was training on."""
+    root = federations_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.inuse", "w") as using:
+        fcntl.flock(using, fcntl.LOCK_SH)
+        yield
+
+
 def evict(keep: int = KEEP) -> list[Path]:
-    """Remove all but the `keep` most recently used kept federations (a busy one is left alone); returns those
-    removed."""
+    """Remove all but the `keep` most recently used kept federations (one being staged or checked, or in use by a
+    run, is left alone); returns those removed."""
     root = federations_dir()
     if not root.is_dir():
         return []
@@ -160,11 +172,12 @@ def evict(keep: int = KEEP) -> list[Path]:
                   key=lambda p: (p / COMPLETE).stat().st_mtime, reverse=True)
     removed = []
     for folder in done[keep:]:
-        with open(root / f"{folder.name}.lock", "w") as lock:
+        with open(root / f"{folder.name}.lock", "w") as lock, open(root / f"{folder.name}.inuse", "w") as using:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(using, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                continue  # a run is staging or checking it now
+                continue  # a run is staging, checking or using it now
             shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)  # its lock file stays: unlinking it could split the lock between two runs
+        removed.append(folder)  # its lock files stay: unlinking one could split the lock between two runs
     return removed

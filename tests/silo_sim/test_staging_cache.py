@@ -142,3 +142,22 @@ def test_only_the_most_recently_used_federations_are_kept(tmp_path) -> None:
     assert sorted(p.name for p in removed) == ["evict-test-2", "evict-test-3"]
     assert (root / "evict-test-4").is_dir() and (root / "evict-test-1" / COMPLETE).is_file()
     assert sorted(p.name for p in evict(keep=len(others) + 2)) == ["evict-test-4"]
+
+
+def test_a_federation_a_run_is_training_on_is_not_evicted_by_another_runs_staging(tmp_path) -> None:
+    # The staging lock is let go once staged; the run's hub and silos read the folder for the whole run. A
+    # benchmark's next cell, staging another federation, evicted the least recently used: a running cell's.
+    root = federations_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(2):
+        folder = root / f"inuse-test-{k}"
+        (folder / "silos").mkdir(parents=True)
+        (folder / COMPLETE).write_text("")
+        at = time.time() - 3600 * (1000 + k)  # older than any other kept federation
+        os.utime(folder / COMPLETE, (at, at))
+    others = {p.name for p in root.iterdir() if (p / COMPLETE).is_file()} - {f"inuse-test-{k}" for k in range(2)}
+    with staging_cache.in_use("inuse-test-1"), staging_cache.in_use("inuse-test-1"):  # two runs share it
+        removed = evict(keep=len(others))
+        assert [p.name for p in removed if p.name.startswith("inuse-test")] == ["inuse-test-0"]
+        assert (root / "inuse-test-1" / COMPLETE).is_file()
+    assert [p.name for p in evict(keep=len(others))] == ["inuse-test-1"]  # the runs ended
