@@ -223,8 +223,12 @@ class _HubStateCollector(Collector):
         now = time.time()
         with hub.cond:
             phase, round_now = hub.rounds.phase, hub.rounds.round
-            silos = [(s, r.last_seen, hub.records.contributed.get(s, 0), r.num_unlabeled, r.skipped_images,
-                      r.left is not None) for s, r in sorted(hub.registry.silos.items())]
+            # A silo waiting in a long-poll is heard from now (the registry counts it live, as here): last_seen is
+            # set only when a poll starts and ends, so an idle silo in a 300 s poll showed as disconnected and, three
+            # rounds on, silent.
+            silos = [(s, now if (r.polling > 0 and r.last_seen) else r.last_seen, hub.records.contributed.get(s, 0),
+                      r.num_unlabeled, r.skipped_images, r.left is not None)
+                     for s, r in sorted(hub.registry.silos.items())]
             preparing = len(hub.registry.preparing_silos())
             counters, refusals = dict(hub.registry.counters), dict(hub.registry.refusals)
             task = hub.rounds.task

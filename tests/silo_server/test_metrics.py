@@ -4,6 +4,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -224,6 +225,26 @@ def test_silent_rounds_count_rounds_completed_since_a_silo_was_last_heard(tmp_pa
     s = samples(m)
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "quiet"),))] == 3
     assert s[("silokit_hub_silo_rounds_silent", (("silo", "chatty"),))] == 0
+
+
+def test_a_silo_waiting_in_a_long_poll_is_connected_and_not_silent(tmp_path):
+    # The registry counts a silo in a long-poll as live; the metrics read last_seen alone (set when a poll starts
+    # and ends), so an unsampled silo in a 300 s poll showed as disconnected, and silent after three short rounds.
+    hub = make_hub(tmp_path / "hub")
+    m = HubMetrics(hub)
+    hub.join("waiting", 5, 0, "cpu")
+    hub.join("gone", 5, 0, "cpu")
+    for s_id in ("waiting", "gone"):
+        hub.registry.silos[s_id].last_seen = time.time() - 4 * hub.registry.liveness_s
+    hub.registry.silos["waiting"].polling = 1
+    for r in (1, 2, 3):
+        m.on_round(RoundRecord(round=r))
+    s = samples(m)
+    assert s[("silokit_hub_silo_connected", (("silo", "waiting"),))] == 1
+    assert s[("silokit_hub_silo_rounds_silent", (("silo", "waiting"),))] == 0
+    assert s[("silokit_hub_silo_connected", (("silo", "gone"),))] == 0
+    assert s[("silokit_hub_silo_rounds_silent", (("silo", "gone"),))] == 3
+    assert s[("silokit_hub_silos_connected", ())] == 1
 
 
 def test_a_silo_that_left_the_run_is_not_counted_silent(tmp_path):
