@@ -77,7 +77,7 @@ class SiloCalls:
                 if loop.stop_event.is_set():
                     raise InterruptedError("hub stopping")
                 now = time.time()
-                if len(task.reported - task.gone) < need:
+                if not loop.quorum_reached(task, need):
                     quorum_at = None
                 elif quorum_at is None:
                     quorum_at = now
@@ -161,6 +161,16 @@ class RoundLoop:
         closed with fewer would be refused), and under secure aggregation at least the run's pinned cohort."""
         need = max(self.quorum_count(len(task.sampled)), self.rule_minimum(len(task.sampled)))
         return max(need, task.privacy.min_contributors) if task.privacy is not None else need
+
+    def quorum_reached(self, task: ActiveTask, need: int) -> bool:
+        """`need` reports in (round_quorum), and as many updates as the aggregation rule needs: a skip is a report
+        but no update, so two quick skips and three updates closed a Krum round (f = 1) that Krum then refused,
+        without the two silos still training."""
+        reported = task.reported - task.gone
+        if len(reported) < need:
+            return False
+        fewest_updates = self.rule_minimum(len(task.sampled))
+        return fewest_updates <= 1 or len(reported - task.skipped) >= fewest_updates
 
     def wait_after_quorum(self, task: ActiveTask) -> float:
         """How long a round waits for the rest once its quorum reported: rounds.wait_after_quorum_s, or by default

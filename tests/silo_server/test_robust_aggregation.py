@@ -21,7 +21,7 @@ from silo_server.rounds.robust import (
     krum_select,
 )
 from tests.silo_server.hubs import build_hub
-from tests.silo_server.test_hub import MeanOfSilos, TwoGroups, grouped, start_round, upload, wait_task
+from tests.silo_server.test_hub import MeanOfSilos, TwoGroups, grouped, result, start_round, upload, wait_task
 from tests.silo_server.test_privacy import round_until_stopped
 
 
@@ -176,6 +176,32 @@ def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_pat
     hub.stop()
     thread.join(10)
     assert stopped == [True]
+
+
+def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_skips(tmp_path):
+    # Krum (f = 1) needs 5 updates. Two quick skips and three updates made the 5 reports the round waited for: it
+    # closed after the quorum wait without the two silos still training, and Krum refused its 3 updates.
+    import time
+
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
+                    min_silos=7, quorum=0.6, deadline_s=20.0, wait_after_quorum_s=0.2,
+                    aggregation=AggregationSection(rule="krum", krum_byzantine=1))
+    silos = [f"s{i}" for i in range(7)]
+    for s in silos:
+        hub.join(s, 10, 0, "cpu")
+    thread, out = start_round(hub)
+    tasks = {s: wait_task(hub, s) for s in silos}
+    for s in silos[:2]:
+        upload(hub, s, tasks[s], {}, skipped=True)
+    for s in silos[2:5]:
+        upload(hub, s, tasks[s], result(1.0))
+    time.sleep(1.0)  # five times the quorum wait
+    assert hub.rounds.task is not None and hub.rounds.task.open and hub.rounds.failed_attempts == 0
+    for s in silos[5:]:
+        upload(hub, s, tasks[s], result(1.0))
+    thread.join(10)
+    assert out["state"].round == 1 and hub.rounds.failed_attempts == 0
+    assert hub.records.history[-1].aggregation.updates == 5
 
 
 def test_a_record_without_a_rule_reads_back_without_one():
