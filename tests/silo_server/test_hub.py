@@ -441,6 +441,7 @@ def test_a_quorum_lost_again_does_not_close_the_round_while_others_may_still_rep
     task = SimpleNamespace(round=1, sampled={"a", "b", "c"}, reported={"a", "b"}, gone=set(), quorum_wait=None,
                            deadline=time.time() + 60)
     loop = SimpleNamespace(cond=cond, stop_event=threading.Event(), round_quorum=lambda t: 2,
+                           quorum_reached=lambda t, need: len(t.reported - t.gone) >= need,
                            wait_after_quorum=lambda t: 0.3, check_revocations=lambda: None)
 
     def later():
