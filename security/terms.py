@@ -201,7 +201,7 @@ def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> 
         if dp.noise == "distributed":
             contributors = noise_shares(task)
             floor = dp.noise_multiplier * t.clip_norm / math.sqrt(contributors)
-            if t.noise_std < floor * (1 - TOLERANCE):
+            if not t.noise_std >= floor * (1 - TOLERANCE):  # (written so that NaN, which compares false, breaches)
                 breach("client_dp.noise", f"noise std at least {floor:.6g} (multiplier {dp.noise_multiplier:g} x "
                        f"clip {t.clip_norm:g} / sqrt({contributors}) silos)", f"noise std {t.noise_std:.6g}",
                        "a task lowered the noise")
@@ -229,10 +229,10 @@ def task_breaches(pinned: silo_pb2.PrivacyTerms, task: silo_pb2.TaskPrivacy) -> 
         breach("sample_dp.required", f"sample-level DP {'on' if sd.enabled else 'off'}",
                f"sample-level DP {'on' if ts.enabled else 'off'}", "a task changed sample-level DP")
     elif sd.enabled:
-        if ts.noise_multiplier < sd.noise_multiplier * (1 - TOLERANCE):
+        if not ts.noise_multiplier >= sd.noise_multiplier * (1 - TOLERANCE):  # NaN breaches too
             breach("sample_dp.min_noise_multiplier", f"noise multiplier {sd.noise_multiplier:g}",
                    f"noise multiplier {ts.noise_multiplier:g}", "a task lowered the DP-SGD noise")
-        if ts.clip_norm > sd.clip_norm * (1 + TOLERANCE):  # no policy clause bounds it: the pinned terms do
+        if not 0 < ts.clip_norm <= sd.clip_norm * (1 + TOLERANCE):  # no policy clause bounds it: the terms do
             breach("terms", f"DP-SGD clip norm {sd.clip_norm:g}", f"DP-SGD clip norm {ts.clip_norm:g}",
                    "a task raised the DP-SGD clip norm")
         if not _close(ts.delta, sd.delta) or (sd.epsilon_budget and not _close(ts.epsilon_budget, sd.epsilon_budget)):

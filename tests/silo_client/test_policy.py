@@ -183,6 +183,12 @@ def test_a_task_that_agrees_with_the_pinned_terms_is_no_breach():
     (lambda t: t.sample_dp.__setattr__("noise_multiplier", 0.3), "sample_dp.min_noise_multiplier",
      "a task lowered the DP-SGD noise"),
     (lambda t: t.sample_dp.__setattr__("clip_norm", 50.0), "terms", "a task raised the DP-SGD clip norm"),
+    # NaN compares false with everything: a "noise std < floor" check let it through, and the silo's
+    # max(policy floor, NaN) was NaN, which privatize_update read as no noise at all while the ledger charged z.
+    (lambda t: t.client_dp.__setattr__("noise_std", math.nan), "client_dp.noise", "a task lowered the noise"),
+    (lambda t: t.sample_dp.__setattr__("noise_multiplier", math.nan), "sample_dp.min_noise_multiplier",
+     "a task lowered the DP-SGD noise"),
+    (lambda t: t.sample_dp.__setattr__("clip_norm", math.nan), "terms", "a task raised the DP-SGD clip norm"),
 ])
 def test_a_task_asking_less_than_the_pinned_terms_is_a_breach_naming_both_values(change, clause, words):
     terms = pinned_terms()
