@@ -74,6 +74,7 @@ from silo_core.data import (
     DataError,
     ImageFiles,
 )
+from silo_core.dp_sgd import sample_dp_unfit
 from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
 from silo_core.training import resolve_device
 
@@ -289,6 +290,14 @@ class SiloClient:
             self._leave(Refusal("breach", str(left.get("clause", "terms")), "no return after a breach",
                                 f"run {run.run_id[:8]} again", f"this silo left run {run.run_id[:8]} for a breach "
                                 f"({left.get('message', '')}); it does not join that run again"))
+        if run.terms.sample_dp.enabled:  # the terms promise DP-SGD: this silo's own training must carry it out
+            unfit = sample_dp_unfit(run.algorithm, self._silo_algorithm(run).supports_sample_dp,
+                                    json.loads(run.algorithm_options_json or "{}"),
+                                    json.loads(run.model_options_json or "{}"))
+            if unfit is not None:
+                self._leave(Refusal("refused", "terms", "sample-level DP as the terms state", "training without it",
+                                    f"the run's terms state sample-level DP (DP-SGD), which this silo's training "
+                                    f"would not carry out, so its updates would leave without it: {unfit}"))
         if self.policy is not None:
             dp = run.terms.client_dp
             one_round = self.ledger.client_epsilon_after(run.run_id, dp.noise_multiplier) if dp.enabled else None

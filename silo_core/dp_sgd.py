@@ -23,7 +23,7 @@ import logging
 import math
 import secrets
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,27 @@ def ledger_for(ledgers: dict[str, SampleDPLedger], silo_id: str, run_id: str, st
             path = state_dir / f"sample_dp_ledger-{run_id or 'default'}.json"
         ledgers[key] = SampleDPLedger(delta, path)
     return ledgers[key]
+
+
+def sample_dp_unfit(algorithm: str, supports_sample_dp: bool, algorithm_options: Mapping[str, Any],
+                    model_options: Mapping[str, Any]) -> str | None:
+    """Why DP-SGD would not run as sample-level DP promises with this algorithm, these options and this model (None:
+    it would). The hub refuses such a hub.yaml; a silo refuses a run whose terms state sample-level DP that its own
+    training would not carry out, rather than take the hub's word (its updates would leave without DP-SGD)."""
+    if not supports_sample_dp:
+        return f"privacy.sample_dp is not available for algorithm {algorithm!r} yet"
+    if model_options.get("norm", "batch") != "group":
+        return ("privacy.sample_dp needs model.options.norm: group (batch norm mixes the images of a batch, so one "
+                "image's gradient cannot be clipped on its own)")
+    rule = algorithm_options.get("threshold_rule", "fixed")
+    if rule != "fixed":
+        return (f"privacy.sample_dp needs algorithm.options.threshold_rule: fixed (not {rule}): per-class thresholds "
+                "learnt from all of a silo's images let one image move many others in or out of the pseudo-labeled "
+                "set, which DP-SGD's per-image accounting does not cover")
+    if algorithm_options.get("local_steps") is not None:
+        return ("privacy.sample_dp counts local work in epochs (its accountant schedules whole passes): remove "
+                "algorithm.options.local_steps and set local_epochs")
+    return None
 
 
 def dp_schedule(num_examples: int, batch_size: int, epochs: int) -> tuple[float, int]:

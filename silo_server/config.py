@@ -12,6 +12,7 @@ from security.pki import PkiError, validate_silo_name
 from silo_core.algorithms import ALGORITHMS, get_algorithm
 from silo_core.config_base import ConfigPath, StrictConfig, format_validation_error
 from silo_core.data import DEFAULT_CACHE_MB, DEFAULT_LOADER_WORKERS
+from silo_core.dp_sgd import sample_dp_unfit
 from silo_core.models import RUN_WEIGHTS, ModelSpec
 from silo_core.tensors import CHUNK_BYTES
 from silo_server.rounds.privacy import PrivacySection
@@ -297,21 +298,13 @@ class HubConfig(StrictConfig):
         if not self.privacy.sample_dp.enabled:
             return self
         entry = get_algorithm(self.algorithm.name)
-        if entry.silo is None or not entry.silo.supports_sample_dp:
+        supports = entry.silo is not None and entry.silo.supports_sample_dp
+        unfit = sample_dp_unfit(self.algorithm.name, supports, self.algorithm.options, self.model.options)
+        if unfit is not None and not supports:
             able = [n for n, e in ALGORITHMS.items() if e.silo is not None and e.silo.supports_sample_dp]
-            raise ValueError(f"privacy.sample_dp is not available for algorithm {self.algorithm.name!r} yet; "
-                             f"it works with: {', '.join(able)}")
-        if self.model.options.get("norm", "batch") != "group":
-            raise ValueError("privacy.sample_dp needs model.options.norm: group (batch norm mixes the images of a "
-                             "batch, so one image's gradient cannot be clipped on its own)")
-        rule = self.algorithm.options.get("threshold_rule", "fixed")
-        if rule != "fixed":
-            raise ValueError(f"privacy.sample_dp needs algorithm.options.threshold_rule: fixed (not {rule}): per-class "
-                             "thresholds learnt from all of a silo's images let one image move many others in or out "
-                             "of the pseudo-labeled set, which DP-SGD's per-image accounting does not cover")
-        if self.algorithm.options.get("local_steps") is not None:
-            raise ValueError("privacy.sample_dp counts local work in epochs (its accountant schedules whole passes): "
-                             "remove algorithm.options.local_steps and set local_epochs")
+            raise ValueError(f"{unfit}; it works with: {', '.join(able)}")
+        if unfit is not None:
+            raise ValueError(unfit)
         return self
 
 

@@ -322,6 +322,28 @@ def test_the_ledger_carries_on_across_a_restart_and_a_second_run_stops_at_the_li
         second.stop()
 
 
+@pytest.mark.parametrize("tamper, words", [
+    (lambda d: d.__setitem__("algorithm", "fedseal"), "not available for algorithm 'fedseal'"),
+    (lambda d: d["algorithm_options"].__setitem__("threshold_rule", "flexmatch"), "threshold_rule: fixed"),
+])
+def test_a_silo_refuses_terms_of_dp_sgd_that_its_own_training_would_not_carry_out(tmp_path, tamper, words):
+    # Only the hub's config checked that the algorithm trains with DP-SGD: a hub stating sample-level DP while
+    # running FedSEAL (or SemiFL with learnt class thresholds) had every silo send updates without it.
+    app, port = start_hub(tmp_path, **SAMPLE_DP)
+    tamper(app.hub.run_description)  # a hub that says more than it runs
+    client = silo(tmp_path, port)  # no policy of its own: the terms alone are the promise
+    client._load = lambda run: pytest.fail("an image was read for a run this silo cannot take part in")
+    try:
+        with pytest.raises(SiloLeft) as left:
+            client._join()
+        assert left.value.refusal.clause == "terms" and words in str(left.value)
+        assert "which this silo's training would not carry out" in str(left.value)
+        assert app.hub.registry.departures == {("refused", "terms"): 1}
+    finally:
+        client.close()
+        app.stop()
+
+
 @pytest.mark.parametrize("hub_budget, per_run, leaves", [(None, 0.01, True), (0.01, 1000.0, False)])
 def test_dp_sgd_stopped_by_the_branchs_own_ceiling_makes_it_leave_by_the_hubs_budget_it_stays(
         tmp_path, hub_budget, per_run, leaves):
