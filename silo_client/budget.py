@@ -82,11 +82,14 @@ class TaskBudget:
                            f"round {round_} would take this silo's client-level epsilon in the run to {after:.4g}, "
                            f"past the policy's ceiling of {ceiling:g}", round_)
         spent = self.ledger.lifetime_epsilon(exclude_run=self.run_id)
-        # With DP-SGD on, DP-SGD's own limit (sample_dp_limit) keeps the lifetime budget instead.
-        if (p.lifetime_epsilon is not None and spent + after > p.lifetime_epsilon
-                and not self.task.privacy.sample_dp.enabled):
-            return Refusal("budget", "lifetime_epsilon", f"{p.lifetime_epsilon:g}", f"{spent + after:.4g}",
-                           f"round {round_} would take this branch's lifetime epsilon to {spent + after:.4g}, "
+        # The run's image epsilon after this round is at least the smaller of its client-level figure and its DP-SGD
+        # total so far: a DP-SGD round's own limit (sample_dp_limit) keeps the lifetime budget as the total grows,
+        # but a round that trains nothing (too few confident images) is still charged its client-level step, and
+        # once that step no longer covers the budget, the DP-SGD total reached meanwhile may not either.
+        least = min(after, self.ledger.sample_total(self.run_id)) if self.task.privacy.sample_dp.enabled else after
+        if p.lifetime_epsilon is not None and spent + least > p.lifetime_epsilon:
+            return Refusal("budget", "lifetime_epsilon", f"{p.lifetime_epsilon:g}", f"{spent + least:.4g}",
+                           f"round {round_} would take this branch's lifetime epsilon to {spent + least:.4g}, "
                            f"past the policy's budget of {p.lifetime_epsilon:g}", round_)
         return None
 

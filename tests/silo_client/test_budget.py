@@ -115,3 +115,25 @@ def test_a_round_skipped_before_dp_sgd_keeps_the_runs_sample_level_epsilon_inste
     assert spent.sample == 1.25 and spent.image == 1.25
     charge(4, {"train_loss": 0.3})  # a trained round without the figure is still not covered by DP-SGD
     assert ledger.run_epsilon("run-a").sample == math.inf
+
+
+def test_a_round_that_would_skip_dp_sgd_cannot_carry_the_lifetime_epsilon_past_the_policy(tmp_path):
+    # Distributed client-level DP (z = 3) covers the lifetime budget of 6 for a while, so DP-SGD's total is not held
+    # to it and grows to 2.5 a round. The round whose client step no longer fits was refused only without DP-SGD:
+    # with it, a round skipped for too few confident images was charged that step and took the lifetime to 6.1.
+    ledger = begun(BranchLedger(tmp_path), "now", z=3.0, sample_dp=True)
+    policy = BranchPolicy.model_validate({"lifetime_epsilon": 6.0})
+    metrics = SiloMetrics(SiloMetricFamilies(), "s")
+    refused = None
+    for r in range(1, 100):
+        budget = TaskBudget(policy, ledger, terms(z=3.0), "now", task(r, sample_dp=True))
+        refused = budget.refusal_before_training()
+        if refused is not None:
+            break
+        if budget.client_epsilon_after() > 6.0:  # the client step no longer covers the budget: nothing passes tau
+            budget.charge({"pl_total": 50.0, "pl_selected": 1.0}, metrics, skipped=True)
+        else:
+            budget.charge({"sample_dp_epsilon": 2.5 * r}, metrics)
+        assert ledger.lifetime_epsilon() <= 6.0, f"round {r}"
+    assert refused is not None and refused.clause == "lifetime_epsilon" and refused.round > 1
+    assert ledger.lifetime_epsilon() <= 6.0
