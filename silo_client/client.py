@@ -236,10 +236,17 @@ class SiloClient:
         num_labeled = usable_count(self.data.labeled_images) if self.data is not None else self.num_labeled_files
         features = [f for f in FEATURES if f != SIGNED_SECAGG or self.privacy.identity is not None]
         features = [f for f in features if f != POLICY or self.policy is not None]
+        # The device and the count of unreadable files are clear facts about the branch that no aggregation needs:
+        # not told to a run whose pinned terms ask for no clear metrics or protect its rounds (secure aggregation,
+        # DP), as no clear per-silo metric is (the policy's clear_metrics: false blanks them too, in the Outbox).
+        pinned = self.pinned if self.run is not None and self.pinned_for == self.run.run_id else None
+        quiet = pinned is not None and (not pinned.clear_metrics or pinned.secure_aggregation.enabled
+                                        or pinned.client_dp.enabled or pinned.sample_dp.enabled)
         reply = self.outbox.join(silo_pb2.JoinRequest(
             client_version=VERSION, num_unlabeled=num_images if with_counts else 0,
             num_labeled=num_labeled if with_counts else 0, capabilities=list(ALGORITHMS),
-            device=str(self.device), skipped_images=self.skipped_images if with_counts else 0, preparing=preparing,
+            device="" if quiet else str(self.device),
+            skipped_images=self.skipped_images if with_counts and not quiet else 0, preparing=preparing,
             protocol_version=PROTOCOL_VERSION, features=features,
         ), timeout=30)
         run = reply.run

@@ -109,6 +109,28 @@ def test_a_silo_says_nothing_of_its_data_to_a_new_run_before_it_has_checked_that
         app.stop()
 
 
+@pytest.mark.parametrize("privacy", [{"clear_metrics": False}, {"dp": {"enabled": True, "noise": "central"}}])
+def test_a_run_whose_terms_want_no_clear_metrics_is_not_told_the_device_or_the_unreadable_files(tmp_path, privacy):
+    # README: with secure aggregation or DP, silos send no clear per-silo metrics. Every Join still told the hub
+    # this branch's device and how many of its files were unreadable, unless a policy said clear_metrics: false.
+    write_images(tmp_path / "images", n=6)
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
+    app, port = start_hub(tmp_path, privacy=privacy)
+    joins = []
+    real_join = app.hub.join
+    app.hub.join = lambda *a, **k: joins.append((a[3], k.get("skipped_images", a[4] if len(a) > 4 else 0))) \
+        or real_join(*a, **k)
+    client = silo(tmp_path, port)  # no policy: the terms alone decide
+    try:
+        client._join()
+        assert client.skipped_images == 1 and len(joins) == 2
+        assert joins[-1] == ("", 0)  # after the terms were pinned: neither fact
+        assert app.hub.registry.silos["dev-1"].skipped_images == 0
+    finally:
+        client.close()
+        app.stop()
+
+
 def test_a_hub_restarted_with_another_chunk_size_gets_chunks_of_that_size(tmp_path):
     app, port = start_hub(tmp_path)
     client = silo(tmp_path, port)
