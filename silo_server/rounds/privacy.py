@@ -145,6 +145,9 @@ class RoundHooks:
     # Once a stage's quorum answered, how long it waits for the rest (rounds.wait_after_quorum_s, as the round's
     # training does); None: until every silo answered or the stage deadline.
     wait_after_quorum_s: float | None = None
+    # Evicts the round's silos whose certificates the CRL now lists (as the round's training wait does): a silo
+    # revoked after its keys would otherwise hold each stage to the quorum wait, or to its deadline.
+    check_revocations: Callable[[], None] | None = None
 
 
 def check_clip_tensors(prefixes: list[str], expected: dict[str, TensorSpec]) -> None:
@@ -435,6 +438,8 @@ class HubPrivacy:
                         if time.time() - ready_since > min(5.0, deadline_s):
                             break
                     hooks.cond.wait(timeout=0.25)
+                    if hooks.check_revocations is not None:  # a silo revoked now leaves the session at once
+                        hooks.check_revocations()
                 seconds[next_stage] = time.time() - stage_started
             rp.outbox, rp.outbox_stage = {}, ""
             finishing = time.time()

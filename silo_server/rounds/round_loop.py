@@ -407,7 +407,8 @@ class RoundLoop:
                     hooks = RoundHooks(cond=self.cond, stop_event=self.stop_event, refuse=self.registry.refuse,
                                        max_update_norm=self.max_update_norm,
                                        answer=getattr(self.transport, "answer_stage", None),
-                                       wait_after_quorum_s=self.wait_after_quorum(task))
+                                       wait_after_quorum_s=self.wait_after_quorum(task),
+                                       check_revocations=self.check_revocations)
                     private = self.privacy.complete(task, need, hooks)  # unmasked, noised and charged
                     aggregation_started = time.time()
                     state, metrics = self.algorithm.finish_round(state, private.sums, private.metrics)

@@ -617,6 +617,34 @@ def test_a_secure_round_whose_keys_came_from_a_silo_since_revoked_fails_below_qu
     assert stopped == [True]
 
 
+def test_a_silo_revoked_during_the_secure_aggregation_stages_leaves_the_session_at_once(tmp_path):
+    # Only the training wait checked the CRL: a silo revoked after its keys, silent at share_keys, held the stage
+    # to the quorum wait (20 s here), and to the stage deadline where closing without it would abandon the round.
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG.model_copy(update={"stage_deadline_s": 30.0})),
+               min_silos=5, quorum=0.6, wait_after_quorum_s=20.0)
+    silos = [Silo(hub, f"s{i}", 1.0) for i in range(5)]
+    silos[4].hold_at = "share_keys"  # frozen at the stage
+    hub.registry.silos["s4"].serial = 44
+    revoke = threading.Event()
+    hub.registry.is_revoked = lambda serial: serial == 44 and revoke.is_set()
+    revoked_at = []
+
+    def revoke_at_share_keys():
+        wait_for(lambda: hub.rounds.task is not None and hub.rounds.task.privacy.outbox_stage == "share_keys"
+                 and len(hub.rounds.task.privacy.answered) == 4, timeout=30, what="share_keys answered by four")
+        revoked_at.append(time.time())
+        revoke.set()
+
+    for s in silos:
+        s.start()
+    threading.Thread(target=revoke_at_share_keys, daemon=True).start()
+    state = hub.run()
+    silos[4].release.set()
+    assert state.round == 1 and revoked_at and time.time() - revoked_at[0] < 10
+    record = hub.records.history[-1]
+    assert record.secagg.contributors == 4 and "s4" not in hub.registry.live_silos()
+
+
 def test_central_dp_without_secure_aggregation_noises_at_the_hub(tmp_path):
     section = PrivacySection(dp=DPConfig(enabled=True, noise_multiplier=0.5, clip_norm=200.0))
     hub = make(tmp_path, section, quorum=1.0)
