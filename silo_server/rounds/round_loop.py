@@ -553,12 +553,17 @@ def contributors(task: ActiveTask, private: PrivateSums | None,
 def with_silos(record: RoundRecord, task: ActiveTask, contributed: set[str]) -> RoundRecord:
     """What the round's silos did: who reported, bytes, their mean training loss and time, the hub's memory."""
     reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
+    finished = task.reported - task.gone
+    if task.privacy is not None and task.privacy.session is not None:
+        # A report is only its keys: one whose masked input the sum does not hold (silent at a later stage, closed
+        # out after the quorum wait) dropped out, as a failed attempt counts it (HubPrivacy.dropouts).
+        finished &= contributed
     sums = task.sums
     return replace(
-        record, silos_left_out=tuple(sorted(task.sampled - (task.reported - task.gone))),
+        record, silos_left_out=tuple(sorted(task.sampled - finished)),
         quorum_wait_seconds=task.quorum_wait,
         silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
-        silos_dropped=len(task.sampled) - reporters, silos_contributed=len(contributed),
+        silos_dropped=len(task.sampled - finished), silos_contributed=len(contributed),
         attempt=task.attempt, bytes_up=task.bytes_up,
         bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),
         silos_received=len(task.broadcast.received) if task.broadcast else None,

@@ -184,6 +184,8 @@ def test_a_silo_silent_after_its_keys_holds_each_stage_only_the_wait_after_the_q
         s.join(5)
     record = hub.records.history[-1]
     assert record.secagg.contributors == 4 and "s3" not in hub.records.contributed
+    # Left out and dropped, in the applied round's record as in a failed attempt's count (it was neither before)
+    assert record.silos_left_out == ("s3",) and record.silos_dropped == 1 and record.silos_reported == 5
     assert 1.0 <= record.secagg.stage_seconds["share_keys"] < 30  # the quorum's wait, not the 60 s deadline
     assert all(seconds < 30 for seconds in record.secagg.stage_seconds.values())
 
