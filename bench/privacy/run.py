@@ -2,7 +2,7 @@
 
     python bench/privacy/run.py secagg                  # 10, 50, 100 silos x WRN-28-2's 1.47M parameters
     python bench/privacy/run.py dp                      # SemiFL on the bundled data at a few epsilons
-    python bench/privacy/run.py secagg --silos 10 --dropout 0.1
+    python bench/privacy/run.py secagg --silos-list 10 --dropout 0.1
     python bench/privacy/run.py sample-dp               # SemiFL with DP-SGD at every silo, a few noise levels
 
 secagg: the deployment's SecAgg+ objects driven in one process (security/secagg/inprocess.py): every byte that
@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
+    # dp's SemiFL options; sample-dp trains with the silo-sim demo's (bench_sample_dp), and records those instead.
     args.options = {"hub_epochs": 2, "local_epochs": 1, "silo_batch_size": 32, "hub_batch_size": 16, "tau": 0.5,
                     "lr_schedule": "constant"}
     torch.set_num_threads(args.threads)
@@ -361,9 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "secagg.md").write_text(secagg_markdown(rows, info))
         print(secagg_markdown(rows, info))
     if args.what == "sample-dp":
+        from silo_sim.cli import DEMO_OPTIONS
+
         cells = bench_sample_dp(args)
+        used = {**DEMO_OPTIONS["semifl"], **({"tau": args.tau} if args.tau is not None else {})}
         (args.out / "sample_dp.json").write_text(json.dumps({"machine": info, "settings": {
-            k: v for k, v in vars(args).items() if k not in ("out",)}, "cells": cells}, indent=1, default=str))
+            **{k: v for k, v in vars(args).items() if k not in ("out",)}, "options": used}, "cells": cells},
+            indent=1, default=str))
         (args.out / "sample_dp.md").write_text(sample_dp_markdown(cells, args, info))
         print(sample_dp_markdown(cells, args, info))
     if args.what in ("dp", "all"):

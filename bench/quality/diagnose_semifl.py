@@ -112,9 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.option:
         key, _, text = item.partition("=")
         try:
-            profile.options[key] = json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError:
-            profile.options[key] = text
+            value = text
+        profile.options[key] = value
+        for chosen in profile.method_options.values():  # over a method's own setting too (SemiFL's tuned tau)
+            if key in chosen:
+                chosen[key] = value
     train, test = quality.load_data(args.data_root, profile)
     device = quality.resolve_device("auto")
     fine_tune = semifl.SemiFLHub._server_update

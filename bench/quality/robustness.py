@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="rounds (default: the quick profile's 12)")
     p.add_argument("--unlabeled", type=int, default=3000, help="unlabeled images over the 10 silos (default 3000)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto: CUDA when present (as every benchmark)")
     p.add_argument("--replot", action="store_true", help="only redraw table.md and robustness.png")
     args = p.parse_args(argv)
     for name, chosen, allowed in (("--rules", args.rules, RULES), ("--attacks", args.attacks, ATTACKS),

@@ -84,7 +84,8 @@ class Profile:
     partitions: list[str] = field(default_factory=lambda: list(PARTITIONS))
 
 
-# What gives FedSEAL, FedAvg+FixMatch and HASSLE SemiFL's optimiser and hub budget (see the full profile).
+# What gives FedSEAL, FedAvg+FixMatch and HASSLE SemiFL's learning rate, schedule and hub budget (see the full
+# profile); not its Nesterov momentum: FedSEAL and HASSLE keep their plain momentum, as every committed cell ran.
 SAME_BUDGET: dict[str, dict[str, Any]] = {
     "fedseal": {"lr": 0.03, "lr_schedule": "cosine"},
     "fedavg-fixmatch": {"init_epochs": 5},
