@@ -182,9 +182,15 @@ def read_stream(
     """Reassemble (offset, data) chunks into exactly ``total_bytes`` bytes whose sha256 is ``sha256``.
 
     Refuses early, before buffering more: an announced size over ``max_bytes``, a chunk past the announced size,
-    empty chunks (a stream of them would never end), gaps and overlaps, and a round that closed meanwhile.
+    empty chunks (a stream of them would never end), gaps and overlaps, and a round that closed meanwhile. A source
+    that waits for its next chunk (the gRPC stream) is told ``still_open`` through its ``stop_waiting_when``, so a
+    stream stalled between chunks ends when its round closes, not when the next chunk or the idle limit comes (it
+    held its room in the upload budget into the next round meanwhile).
     """
     check_upload_size(total_bytes, max_bytes)
+    stop_waiting_when = getattr(chunks, "stop_waiting_when", None)
+    if stop_waiting_when is not None:
+        stop_waiting_when(still_open)
     buffer = bytearray()
     digest = hashlib.sha256()
     for offset, data in chunks:

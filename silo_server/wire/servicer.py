@@ -236,6 +236,47 @@ class _Slot:
         self.servicer.limits.release(self.peer.silo_id, self.method)
 
 
+class _ChunkStream:
+    """An upload's chunks, read on the pool thread that checks the upload, each awaited on the event loop: at most
+    `idle_s` apart, and given up between chunks once the check's `still_open` turns false (the round closed), so a
+    stalled stream does not hold its room in the upload budget past its round (validation.read_stream)."""
+
+    WAKE_S = 0.5  # how often a wait for the next chunk looks whether the round is still open
+
+    def __init__(self, next_message: Callable[[], Any], loop: asyncio.AbstractEventLoop, idle_s: float):
+        self.next_message, self.loop, self.idle_s = next_message, loop, idle_s
+        self.still_open: Callable[[], bool] = lambda: True
+
+    def stop_waiting_when(self, still_open: Callable[[], bool]) -> None:
+        self.still_open = still_open
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, bytes]:
+        future = asyncio.run_coroutine_threadsafe(self.next_message(), self.loop)
+        give_up = time.monotonic() + self.idle_s
+        while True:
+            try:
+                message = future.result(timeout=max(0.0, min(self.WAKE_S, give_up - time.monotonic())))
+                break
+            except concurrent.futures.TimeoutError:
+                if not self.still_open():
+                    future.cancel()
+                    raise validation.Invalid("FAILED_PRECONDITION", "stale_task",
+                                             "the round closed during the upload") from None
+                if time.monotonic() >= give_up:
+                    future.cancel()
+                    raise validation.Invalid("DEADLINE_EXCEEDED", "stream_idle",
+                                             f"no chunk for {self.idle_s:g} s: an upload must keep sending") from None
+        if message is None:
+            raise StopIteration
+        if message.WhichOneof("part") != "chunk":
+            # Raised inside the hub's stream check, so it is counted and logged like any refusal.
+            raise validation.Invalid("INVALID_ARGUMENT", "bad_stream", "only chunks may follow the upload header")
+        return message.chunk.offset, message.chunk.data
+
+
 class FederationServicer(silo_pb2_grpc.FederationServicer):
     def __init__(self, hub: Hub, long_poll_s: float, chunk_bytes: int, gate: PeerGate | None = None,
                  on_join: Callable[[str, bytes | None], None] | None = None, *,
@@ -398,29 +439,11 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                 "run_id": h.run_id, "task_id": h.task_id, "round": h.round, "total_bytes": h.total_bytes,
                 "sha256": h.sha256, "skipped": h.skipped, "metrics": dict(h.metrics), "secagg_stage": h.secagg_stage,
             }
-            loop = asyncio.get_running_loop()
-            idle_s = self.stream_idle_s
-
-            def chunks():  # runs on the pool thread that checks the upload; each chunk is awaited on the loop
-                while True:
-                    future = asyncio.run_coroutine_threadsafe(next_message(), loop)
-                    try:
-                        message = future.result(timeout=idle_s)
-                    except concurrent.futures.TimeoutError:
-                        future.cancel()
-                        raise validation.Invalid("DEADLINE_EXCEEDED", "stream_idle",
-                                                 f"no chunk for {idle_s:g} s: an upload must keep sending") from None
-                    if message is None:
-                        return
-                    if message.WhichOneof("part") != "chunk":
-                        # Raised inside the hub's stream check, so it is counted and logged like any refusal.
-                        raise validation.Invalid("INVALID_ARGUMENT", "bad_stream",
-                                                 "only chunks may follow the upload header")
-                    yield message.chunk.offset, message.chunk.data
+            chunks = _ChunkStream(next_message, asyncio.get_running_loop(), self.stream_idle_s)
 
             def upload() -> None:
                 try:
-                    self.hub.upload(silo_id, header, chunks())
+                    self.hub.upload(silo_id, header, chunks)
                 except validation.Invalid as e:  # from the chunk stream, outside the hub's own checks
                     raise self.hub.registry.refuse(silo_id, e.code, e.reason, e.message) from None
 

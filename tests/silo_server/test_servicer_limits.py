@@ -171,6 +171,35 @@ def test_an_upload_that_sends_no_header_or_stops_sending_is_cut(federation):
     assert f.hub.registry.refusals["stream_idle"] == 2 and f.hub.rounds.task.reported == set()
 
 
+def test_an_upload_stalled_between_chunks_lets_go_of_its_budget_when_its_round_closes(federation):
+    # The stream was checked for the round's close only when a chunk came: a silo pausing just under the idle limit
+    # held its room in the upload budget into the next round, where honest uploads queued behind it.
+    f = federation
+    f.servicer.stream_idle_s = 60.0  # far longer than the test
+    start_round(f.hub)
+    task = _poll(f.stubs["attacker"], f.hub, timeout=10).result()
+    payload = encode({"delta/x": torch.ones(3), "weight": torch.ones(1)})
+    header = silo_pb2.UploadHeader(run_id=f.hub.run_id, task_id=task.task_id, round=task.round,
+                                   total_bytes=len(payload), sha256=sha256_hex(payload))
+    gap = threading.Event()
+
+    def stalls() -> Iterator[silo_pb2.UploadMessage]:
+        yield silo_pb2.UploadMessage(header=header)
+        yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0, data=payload[:8]))
+        gap.wait(60)
+
+    call = f.stubs["attacker"].Upload.future(stalls(), timeout=60)
+    budget = f.hub.intake.upload_budget
+    wait_for(lambda: budget.held == len(payload), 10, "the stream's room held")
+    with f.hub.rounds.cond:  # the round closes (its deadline, or its quorum wait)
+        f.hub.rounds.task.open = False
+    closed = time.time()
+    wait_for(lambda: budget.held == 0, 10, "the room given back")
+    assert time.time() - closed < 5
+    assert _code(call) == grpc.StatusCode.FAILED_PRECONDITION and "round closed" in call.exception().details()
+    gap.set()
+
+
 def test_an_idle_silo_is_held_until_there_is_work(federation):
     f = federation
     polls = []
