@@ -101,6 +101,24 @@ def _code(future) -> grpc.StatusCode | None:
         return err.code()
 
 
+def stalled_upload(f: Federation):
+    """Round 1 opened and the attacker's task taken: (an upload stream that sends its header and 8 bytes, then waits
+    until the event is set; the payload it announced; that event)."""
+    start_round(f.hub)
+    task = _poll(f.stubs["attacker"], f.hub, timeout=10).result()
+    payload = encode({"delta/x": torch.ones(3), "weight": torch.ones(1)})
+    header = silo_pb2.UploadHeader(run_id=f.hub.run_id, task_id=task.task_id, round=task.round,
+                                   total_bytes=len(payload), sha256=sha256_hex(payload))
+    gap = threading.Event()
+
+    def stalls() -> Iterator[silo_pb2.UploadMessage]:
+        yield silo_pb2.UploadMessage(header=header)
+        yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0, data=payload[:8]))
+        gap.wait(60)
+
+    return stalls, payload, gap
+
+
 def test_one_silo_flooding_long_polls_gets_one_and_everyone_else_is_still_served(federation, caplog):
     f = federation
     flood = [_poll(f.stubs["attacker"], f.hub) for _ in range(200)]
@@ -152,18 +170,7 @@ def test_an_upload_that_sends_no_header_or_stops_sending_is_cut(federation):
     stop.set()
 
     # A stream that sends its header and then goes quiet is cut at the idle limit.
-    start_round(f.hub)
-    task = _poll(f.stubs["attacker"], f.hub, timeout=10).result()
-    payload = encode({"delta/x": torch.ones(3), "weight": torch.ones(1)})
-    header = silo_pb2.UploadHeader(run_id=f.hub.run_id, task_id=task.task_id, round=task.round,
-                                   total_bytes=len(payload), sha256=sha256_hex(payload))
-    gap = threading.Event()
-
-    def stalls() -> Iterator[silo_pb2.UploadMessage]:
-        yield silo_pb2.UploadMessage(header=header)
-        yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0, data=payload[:8]))
-        gap.wait(30)
-
+    stalls, _, gap = stalled_upload(f)
     with pytest.raises(grpc.RpcError) as info:
         f.stubs["attacker"].Upload(stalls(), timeout=30)
     gap.set()
@@ -176,18 +183,7 @@ def test_an_upload_stalled_between_chunks_lets_go_of_its_budget_when_its_round_c
     # held its room in the upload budget into the next round, where honest uploads queued behind it.
     f = federation
     f.servicer.stream_idle_s = 60.0  # far longer than the test
-    start_round(f.hub)
-    task = _poll(f.stubs["attacker"], f.hub, timeout=10).result()
-    payload = encode({"delta/x": torch.ones(3), "weight": torch.ones(1)})
-    header = silo_pb2.UploadHeader(run_id=f.hub.run_id, task_id=task.task_id, round=task.round,
-                                   total_bytes=len(payload), sha256=sha256_hex(payload))
-    gap = threading.Event()
-
-    def stalls() -> Iterator[silo_pb2.UploadMessage]:
-        yield silo_pb2.UploadMessage(header=header)
-        yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=0, data=payload[:8]))
-        gap.wait(60)
-
+    stalls, payload, gap = stalled_upload(f)
     call = f.stubs["attacker"].Upload.future(stalls(), timeout=60)
     budget = f.hub.intake.upload_budget
     wait_for(lambda: budget.held == len(payload), 10, "the stream's room held")
