@@ -240,15 +240,16 @@ class HubPrivacy:
         return params.model_copy(update={"quantization": extra + list(params.quantization)})
 
     def check_budget(self) -> None:
-        """Before waiting for silos: BudgetExhausted if even the cheapest round charged so far (z, smallest q) would
-        exceed the budget, so a restarted hub whose budget is spent stops at once. Not the last round's q: a round
-        hunting a secure-sum breaker charges q = 1, and the usual draw after it may still fit (begin() checks the
-        round's exact q)."""
+        """Before waiting for silos: BudgetExhausted if one more round at the last usual draw's (z, q) would exceed
+        the budget, so a restarted hub whose budget is spent stops at once. The last usual draw: the last round
+        charged at q < 1, when there is one; a round hunting a secure-sum breaker charges q = 1, and priced at that
+        the check stopped runs whose next draw still fit (begin() checks the round's exact q)."""
         if self.dp is None or self.dp.config.epsilon_budget is None or not self.dp.accountant.history:
             return
-        z = self.dp.config.noise_multiplier
-        q = min(q for _, q, _ in self.dp.accountant.history)
-        if not self.dp.accountant.allows(self.dp.config.epsilon_budget, z, q):
+        history = self.dp.accountant.history
+        drawn = [q for _, q, _ in history if q < 1]
+        q = drawn[-1] if drawn else history[-1][1]
+        if not self.dp.accountant.allows(self.dp.config.epsilon_budget, self.dp.config.noise_multiplier, q):
             raise BudgetExhausted(f"epsilon {self.dp.epsilon():.3f} spent in {self.dp.rounds} rounds; one more "
                                   f"would exceed the budget {self.dp.config.epsilon_budget}")
 

@@ -165,12 +165,15 @@ class RoundLoop:
     def quorum_reached(self, task: ActiveTask, need: int) -> bool:
         """`need` reports in (round_quorum), and as many updates as the aggregation rule needs: a skip is a report
         but no update, so two quick skips and three updates closed a Krum round (f = 1) that Krum then refused,
-        without the two silos still training."""
+        without the two silos still training. A round that can no longer get them (too few silos still out) closes
+        as before, after the quorum wait, rather than at its deadline."""
         reported = task.reported - task.gone
         if len(reported) < need:
             return False
         fewest_updates = self.rule_minimum(len(task.sampled))
-        return fewest_updates <= 1 or len(reported - task.skipped) >= fewest_updates
+        updates = len(reported - task.skipped)
+        still_out = len(task.sampled - task.reported - task.gone)
+        return fewest_updates <= 1 or updates >= fewest_updates or updates + still_out < fewest_updates
 
     def wait_after_quorum(self, task: ActiveTask) -> float:
         """How long a round waits for the rest once its quorum reported: rounds.wait_after_quorum_s, or by default
@@ -552,18 +555,18 @@ def contributors(task: ActiveTask, private: PrivateSums | None,
 
 def with_silos(record: RoundRecord, task: ActiveTask, contributed: set[str]) -> RoundRecord:
     """What the round's silos did: who reported, bytes, their mean training loss and time, the hub's memory."""
-    reporters = len(task.reported - task.gone)  # a silo that reported, then aborted, dropped out
-    finished = task.reported - task.gone
+    finished = task.reported - task.gone  # a silo that reported, then aborted, dropped out
     if task.privacy is not None and task.privacy.session is not None:
         # A report is only its keys: one whose masked input the sum does not hold (silent at a later stage, closed
         # out after the quorum wait) dropped out, as a failed attempt counts it (HubPrivacy.dropouts).
         finished &= contributed
+    reporters = len(finished)  # sampled = reported + dropped
     sums = task.sums
     return replace(
         record, silos_left_out=tuple(sorted(task.sampled - finished)),
         quorum_wait_seconds=task.quorum_wait,
         silos_sampled=len(task.sampled), silos_reported=reporters, silos_skipped=len(task.skipped),
-        silos_dropped=len(task.sampled - finished), silos_contributed=len(contributed),
+        silos_dropped=len(task.sampled) - reporters, silos_contributed=len(contributed),
         attempt=task.attempt, bytes_up=task.bytes_up,
         bytes_down=task.bytes_down + (task.broadcast.bytes_down if task.broadcast else 0),
         silos_received=len(task.broadcast.received) if task.broadcast else None,

@@ -3,6 +3,8 @@ vectors, the hub's path through individual update files, the round record and Pr
 refusals."""
 
 
+import time
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -181,8 +183,6 @@ def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_pat
 def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_skips(tmp_path):
     # Krum (f = 1) needs 5 updates. Two quick skips and three updates made the 5 reports the round waited for: it
     # closed after the quorum wait without the two silos still training, and Krum refused its 3 updates.
-    import time
-
     hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
                     min_silos=7, quorum=0.6, deadline_s=20.0, wait_after_quorum_s=0.2,
                     aggregation=AggregationSection(rule="krum", krum_byzantine=1))
@@ -202,6 +202,29 @@ def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_
     thread.join(10)
     assert out["state"].round == 1 and hub.rounds.failed_attempts == 0
     assert hub.records.history[-1].aggregation.updates == 5
+
+
+def test_a_krum_round_that_can_no_longer_get_its_updates_closes_after_the_quorum_wait_not_its_deadline(tmp_path):
+    # Three skips, three updates and one silo that never reports: at most four updates of the five Krum needs can
+    # come, so waiting for them would only hold the attempt to its deadline before Krum refuses it.
+    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
+                    min_silos=7, quorum=0.6, deadline_s=60.0, wait_after_quorum_s=0.2,
+                    aggregation=AggregationSection(rule="krum", krum_byzantine=1))
+    silos = [f"s{i}" for i in range(7)]
+    for s in silos:
+        hub.join(s, 10, 0, "cpu")
+    thread, stopped = round_until_stopped(hub)
+    tasks = {s: wait_task(hub, s) for s in silos}
+    started = time.time()
+    for s in silos[:3]:
+        upload(hub, s, tasks[s], {}, skipped=True)
+    for s in silos[3:6]:
+        upload(hub, s, tasks[s], result(1.0))
+    while hub.rounds.failed_attempts == 0 and time.time() - started < 30:
+        time.sleep(0.05)
+    assert hub.rounds.failed_attempts == 1 and time.time() - started < 30  # not the 60 s deadline
+    hub.stop()
+    thread.join(10)
 
 
 def test_a_record_without_a_rule_reads_back_without_one():
