@@ -481,10 +481,7 @@ class HubApp:
             "classes": self.labeled.classes,
             "rounds": state.round,
             "hub_labeled_images": len(self.labeled),
-            "silos": {s: {"rounds_contributed": self.hub.records.contributed.get(s, 0),
-                          "unlabeled_images": r.num_unlabeled,
-                          "skipped_images": r.skipped_images}
-                      for s, r in sorted(self.hub.registry.silos.items())},
+            "silos": self.silos_card(),
             "final_metrics": final.to_json(),
             "best_round": self.best_round_card(),
             "privacy": self.hub.privacy.summary() if self.hub.privacy else {"secure_aggregation": False},
@@ -519,6 +516,20 @@ class HubApp:
         else:  # round 0 without rounds: a run of zero rounds keeps its initial model
             log.info("best round on the validation split: %d (%.2f%%), in %s", self.best.round,
                      100 * self.best.accuracy, path)
+
+    def silos_card(self) -> dict[str, dict[str, Any]]:
+        """Every silo of the run: those joined since the hub (re)started, and those whose updates are in the model
+        from before a restart and that have not joined since (their images as declared then, kept in the
+        checkpoint; their unreadable files unknown): the card listed only the first."""
+        registry, contributed = self.hub.registry, self.hub.records.contributed
+        declared = registry.declared_images()
+        card: dict[str, dict[str, Any]] = {
+            s: {"rounds_contributed": contributed.get(s, 0), "unlabeled_images": r.num_unlabeled,
+                "skipped_images": r.skipped_images} for s, r in registry.silos.items()}
+        for s, rounds in contributed.items():
+            card.setdefault(s, {"rounds_contributed": rounds, "unlabeled_images": declared.get(s),
+                                "skipped_images": None})
+        return dict(sorted(card.items()))
 
     def best_round_card(self) -> dict[str, Any] | None:
         """The model card's account of best_model.safetensors; None without a validation split."""

@@ -99,3 +99,16 @@ def test_a_hub_killed_between_a_checkpoint_and_its_best_model_write_keeps_that_m
     assert (kept.round, kept.accuracy) == (0, initial) == (again.best.round, again.best.accuracy)
     card = again.best_round_card()
     assert card is not None and (card["round"], card["validation_accuracy"]) == (0, initial)
+
+
+def test_the_card_lists_the_silos_whose_updates_are_in_the_model_from_before_a_restart(tmp_path) -> None:
+    # The card listed the registry's silos, those joined since the hub (re)started: a silo whose updates are in
+    # the model from before a restart, and that did not join again, was missing from it.
+    app = HubApp(parse_config(CONFIG, base=tmp_path), insecure_dev_only=True)
+    app.hub.join("back", 40, 0, "cpu", skipped_images=2)
+    app.hub.records.contributed = {"back": 3, "gone": 5}  # as a checkpoint restores them
+    app.hub.registry.declared_before = {"gone": 70}
+    card = app.silos_card()
+    assert list(card) == ["back", "gone"]
+    assert card["back"] == {"rounds_contributed": 3, "unlabeled_images": 40, "skipped_images": 2}
+    assert card["gone"] == {"rounds_contributed": 5, "unlabeled_images": 70, "skipped_images": None}
