@@ -65,6 +65,8 @@ from silo_client.run_checks import (
     least_update_bytes,
     model_spec_of,
     rehearse,
+    sample_dp_unkept,
+    tells_clear_facts,
 )
 from silo_client.settings import DEFAULT_DELTA, SiloSettings, say_policy_once
 from silo_core.algorithms import ALGORITHMS, get_algorithm
@@ -74,7 +76,6 @@ from silo_core.data import (
     DataError,
     ImageFiles,
 )
-from silo_core.dp_sgd import sample_dp_unfit
 from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
 from silo_core.training import resolve_device
 
@@ -236,12 +237,8 @@ class SiloClient:
         num_labeled = usable_count(self.data.labeled_images) if self.data is not None else self.num_labeled_files
         features = [f for f in FEATURES if f != SIGNED_SECAGG or self.privacy.identity is not None]
         features = [f for f in features if f != POLICY or self.policy is not None]
-        # The device and the count of unreadable files are clear facts about the branch that no aggregation needs:
-        # not told to a run whose pinned terms ask for no clear metrics or protect its rounds (secure aggregation,
-        # DP), as no clear per-silo metric is (the policy's clear_metrics: false blanks them too, in the Outbox).
         pinned = self.pinned if self.run is not None and self.pinned_for == self.run.run_id else None
-        quiet = pinned is not None and (not pinned.clear_metrics or pinned.secure_aggregation.enabled
-                                        or pinned.client_dp.enabled or pinned.sample_dp.enabled)
+        quiet = pinned is not None and not tells_clear_facts(pinned)
         reply = self.outbox.join(silo_pb2.JoinRequest(
             client_version=VERSION, num_unlabeled=num_images if with_counts else 0,
             num_labeled=num_labeled if with_counts else 0, capabilities=list(ALGORITHMS),
@@ -297,14 +294,9 @@ class SiloClient:
             self._leave(Refusal("breach", str(left.get("clause", "terms")), "no return after a breach",
                                 f"run {run.run_id[:8]} again", f"this silo left run {run.run_id[:8]} for a breach "
                                 f"({left.get('message', '')}); it does not join that run again"))
-        if run.terms.sample_dp.enabled:  # the terms promise DP-SGD: this silo's own training must carry it out
-            unfit = sample_dp_unfit(run.algorithm, self._silo_algorithm(run).supports_sample_dp,
-                                    json.loads(run.algorithm_options_json or "{}"),
-                                    json.loads(run.model_options_json or "{}"))
-            if unfit is not None:
-                self._leave(Refusal("refused", "terms", "sample-level DP as the terms state", "training without it",
-                                    f"the run's terms state sample-level DP (DP-SGD), which this silo's training "
-                                    f"would not carry out, so its updates would leave without it: {unfit}"))
+        unkept = sample_dp_unkept(run, self._silo_algorithm(run))
+        if unkept is not None:
+            self._leave(unkept)
         if self.policy is not None:
             dp = run.terms.client_dp
             one_round = self.ledger.client_epsilon_after(run.run_id, dp.noise_multiplier) if dp.enabled else None

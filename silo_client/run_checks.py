@@ -4,6 +4,7 @@ it (a rehearsal), an update's least size on the wire. Raises SiloError with what
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -12,10 +13,12 @@ import torch
 
 from silo.v1 import silo_pb2
 from silo_client.errors import SiloError
+from silo_client.policy import Refusal
 from silo_core.algorithms.base import SiloAlgorithm, SiloData
 from silo_core.augment import to_float
 from silo_core.data import DataError, count_labeled_files, describe_classes, image_batches, same_classes
 from silo_core.data import count_image_files as count_listed_images
+from silo_core.dp_sgd import sample_dp_unfit
 from silo_core.models import ModelSpec, TensorShape, architecture, architecture_difference
 from silo_core.training import autocast, on_device
 
@@ -24,6 +27,30 @@ def guards_against_hub(dp: silo_pb2.ClientDPTerms) -> bool:
     """Client-level DP protects this silo from the hub only when the silos add the noise themselves (distributed);
     central noise is added by the hub after it has seen the sum, so against the hub it guarantees nothing."""
     return dp.enabled and dp.noise == "distributed"
+
+
+def tells_clear_facts(terms: silo_pb2.PrivacyTerms) -> bool:
+    """Whether a Join may tell the run this branch's device and count of unreadable files: clear facts about the
+    branch that no aggregation needs, kept from a run whose pinned terms ask for no clear metrics or protect its
+    rounds (secure aggregation, DP), as every clear per-silo metric is (a policy's clear_metrics: false blanks them
+    too, in the Outbox)."""
+    private = terms.secure_aggregation.enabled or terms.client_dp.enabled or terms.sample_dp.enabled
+    return bool(terms.clear_metrics) and not private
+
+
+def sample_dp_unkept(run: silo_pb2.RunDescription, silo: type[SiloAlgorithm]) -> Refusal | None:
+    """A run whose terms state sample-level DP that this silo's own training would not carry out (an algorithm
+    without DP-SGD, learnt class thresholds, ...): its updates would leave without it, so the silo refuses the run
+    rather than take the hub's word (silo_core.dp_sgd.sample_dp_unfit, the check the hub's config makes too)."""
+    if not run.terms.sample_dp.enabled:
+        return None
+    unfit = sample_dp_unfit(run.algorithm, silo.supports_sample_dp, json.loads(run.algorithm_options_json or "{}"),
+                            json.loads(run.model_options_json or "{}"))
+    if unfit is None:
+        return None
+    return Refusal("refused", "terms", "sample-level DP as the terms state", "training without it",
+                   f"the run's terms state sample-level DP (DP-SGD), which this silo's training would not carry "
+                   f"out, so its updates would leave without it: {unfit}")
 
 
 def least_update_bytes(run: silo_pb2.RunDescription) -> int:
