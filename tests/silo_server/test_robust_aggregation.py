@@ -180,15 +180,22 @@ def test_krum_with_too_few_updates_fails_the_round_and_deletes_its_files(tmp_pat
     assert stopped == [True]
 
 
-def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_skips(tmp_path):
-    # Krum (f = 1) needs 5 updates. Two quick skips and three updates made the 5 reports the round waited for: it
-    # closed after the quorum wait without the two silos still training, and Krum refused its 3 updates.
+def seven_silos_under_krum(tmp_path, deadline_s: float):
+    """A hub whose rounds sample 7 joined silos under Krum with f = 1 (5 updates needed), quorum 0.6, a 0.2 s wait
+    after the quorum."""
     hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
-                    min_silos=7, quorum=0.6, deadline_s=20.0, wait_after_quorum_s=0.2,
+                    min_silos=7, quorum=0.6, deadline_s=deadline_s, wait_after_quorum_s=0.2,
                     aggregation=AggregationSection(rule="krum", krum_byzantine=1))
     silos = [f"s{i}" for i in range(7)]
     for s in silos:
         hub.join(s, 10, 0, "cpu")
+    return hub, silos
+
+
+def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_skips(tmp_path):
+    # Krum (f = 1) needs 5 updates. Two quick skips and three updates made the 5 reports the round waited for: it
+    # closed after the quorum wait without the two silos still training, and Krum refused its 3 updates.
+    hub, silos = seven_silos_under_krum(tmp_path, deadline_s=20.0)
     thread, out = start_round(hub)
     tasks = {s: wait_task(hub, s) for s in silos}
     for s in silos[:2]:
@@ -207,12 +214,7 @@ def test_a_krum_round_waits_for_the_updates_krum_needs_not_for_reports_that_are_
 def test_a_krum_round_that_can_no_longer_get_its_updates_closes_after_the_quorum_wait_not_its_deadline(tmp_path):
     # Three skips, three updates and one silo that never reports: at most four updates of the five Krum needs can
     # come, so waiting for them would only hold the attempt to its deadline before Krum refuses it.
-    hub = build_hub(MeanOfSilos(), state_dir=tmp_path, total_rounds=1, run_description={"algorithm": "mean"},
-                    min_silos=7, quorum=0.6, deadline_s=60.0, wait_after_quorum_s=0.2,
-                    aggregation=AggregationSection(rule="krum", krum_byzantine=1))
-    silos = [f"s{i}" for i in range(7)]
-    for s in silos:
-        hub.join(s, 10, 0, "cpu")
+    hub, silos = seven_silos_under_krum(tmp_path, deadline_s=60.0)
     thread, stopped = round_until_stopped(hub)
     tasks = {s: wait_task(hub, s) for s in silos}
     started = time.time()
