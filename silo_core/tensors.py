@@ -146,4 +146,7 @@ def check_tensors(
         if DTYPE_NAMES.get(t.dtype) != spec.dtype:
             raise CodecError(f"tensor {name} has dtype {t.dtype}, expected {spec.dtype}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CodecError(f"tensor {name} holds NaN or infinite values")
+            # float16 (wire.half_precision) overflows past 65504: a delta times a silo's image count can get there
+            where = (" (float16, as wire.half_precision sends it, ends at +-65504: values past it overflow; set "
+                     "wire.half_precision: false at the hub)") if t.dtype == torch.float16 else ""
+            raise CodecError(f"tensor {name} holds NaN or infinite values{where}")

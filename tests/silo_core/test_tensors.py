@@ -129,3 +129,14 @@ def test_check_tensors_with_groups_refuses_partial_groups_strangers_and_bad_valu
 def test_without_groups_a_subset_is_still_refused():
     with pytest.raises(CodecError, match="missing tensors"):
         check_tensors(grouped("S/delta/w", "S/count"), GROUPED)
+
+
+def test_a_float16_tensor_that_overflowed_names_the_half_precision_setting():
+    # A delta times a silo's image count can pass float16's 65504 under wire.half_precision: the cast gives inf,
+    # and "NaN or infinite values" alone did not say where they came from or what to change.
+    spec = {"delta/x": TensorSpec((3,), "float16")}
+    with pytest.raises(CodecError, match=r"float16, as wire.half_precision sends it, ends at \+-65504"):
+        check_tensors({"delta/x": torch.full((3,), 70000.0).to(torch.float16)}, spec)
+    with pytest.raises(CodecError) as plain:
+        check_tensors({"delta/x": torch.tensor([1.0, float("nan"), 2.0])}, {"delta/x": TensorSpec((3,), "float32")})
+    assert "half_precision" not in str(plain.value)
