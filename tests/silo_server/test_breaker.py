@@ -113,10 +113,9 @@ class CountWeightedBreaker(HostileSecAggSilo):
     pass
 
 
-@pytest.mark.parametrize("weight, words", [(5000.0, "is 1028, outside [0, 50]"), (-30.0, "outside [0, 50]")])
-def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(tmp_path, caplog, weight, words):
-    params = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=2.0)
-    hub = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)  # count weighted
+def until_the_first_attempt_fails(hub, weight: float) -> None:
+    """Four honest silos and s4, a breaker sending `weight`, take part in secure rounds until an attempt fails;
+    then the hub is stopped."""
     silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=weight)]
     for s in silos:
         s.start()
@@ -124,6 +123,13 @@ def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(
     _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
     hub.stop()
     runner.join(10)
+
+
+@pytest.mark.parametrize("weight, words", [(5000.0, "is 1028, outside [0, 50]"), (-30.0, "outside [0, 50]")])
+def test_under_count_weighting_an_inflated_or_negative_summed_weight_is_refused(tmp_path, caplog, weight, words):
+    params = SecAggParams(enabled=True, threshold=0.5, stage_deadline_s=2.0)
+    hub = make(tmp_path, PrivacySection(secure_aggregation=params), min_silos=5, quorum=0.6)  # count weighted
+    until_the_first_attempt_fails(hub, weight)
     assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate") == 1
     # No one silo is known to have sent it: the per-silo refusal counter gets no label that is not a silo.
     assert all(silo in hub.registry.silos for silo, _ in hub.registry.refusals_by_silo)
@@ -144,13 +150,7 @@ def test_under_dp_a_refused_sum_is_charged_because_it_was_unmasked_and_the_charg
     section = PrivacySection(secure_aggregation=params, dp=DPConfig(enabled=True, noise_multiplier=1.0,
                                                                     clip_norm=200.0))
     hub = make(tmp_path, section, min_silos=5, quorum=0.6)
-    silos = [Silo(hub, f"s{i}", 0.01) for i in range(4)] + [CountWeightedBreaker(hub, "s4", 0.0, weight=-30.0)]
-    for s in silos:
-        s.start()
-    runner, _ = round_until_stopped(hub)
-    _wait(lambda: hub.registry.counters.get("rounds_failed", 0) >= 1)
-    hub.stop()
-    runner.join(10)
+    until_the_first_attempt_fails(hub, -30.0)
     assert hub.records.history == [] and hub.registry.refusals.get("bad_aggregate", 0) >= 1
     charged = hub.privacy.dp.rounds
     assert charged == hub.registry.refusals["bad_aggregate"] and hub.privacy.dp.epsilon() > 0

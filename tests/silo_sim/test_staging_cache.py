@@ -126,16 +126,23 @@ def stage_kept(workdir) -> str:
     return key
 
 
-def test_only_the_most_recently_used_federations_are_kept(tmp_path) -> None:
+def kept_folders(prefix: str, count: int, hours_ago: int) -> tuple[Path, set[str]]:
+    """`count` complete kept federations PREFIX-k, last used hours_ago + k hours ago (the higher k, the older);
+    returns the cache folder and the names of the other complete federations already there."""
     root = federations_dir()
     root.mkdir(parents=True, exist_ok=True)
-    for k in range(5):
-        folder = root / f"evict-test-{k}"
+    for k in range(count):
+        folder = root / f"{prefix}-{k}"
         (folder / "silos").mkdir(parents=True)
         (folder / COMPLETE).write_text("")
-        at = time.time() - 3600 * (10 + k)  # evict-test-4 the least recently used
+        at = time.time() - 3600 * (hours_ago + k)
         os.utime(folder / COMPLETE, (at, at))
-    others = {p.name for p in root.iterdir() if (p / COMPLETE).is_file()} - {f"evict-test-{k}" for k in range(5)}
+    ours = {f"{prefix}-{k}" for k in range(count)}
+    return root, {p.name for p in root.iterdir() if (p / COMPLETE).is_file()} - ours
+
+
+def test_only_the_most_recently_used_federations_are_kept(tmp_path) -> None:
+    root, others = kept_folders("evict-test", 5, hours_ago=10)  # evict-test-4 the least recently used
     with open(root / "evict-test-4.lock", "w") as busy:  # a run is checking it right now: left alone
         fcntl.flock(busy, fcntl.LOCK_EX)
         removed = evict(keep=len(others) + 2)
@@ -147,15 +154,7 @@ def test_only_the_most_recently_used_federations_are_kept(tmp_path) -> None:
 def test_a_federation_a_run_is_training_on_is_not_evicted_by_another_runs_staging(tmp_path) -> None:
     # The staging lock is let go once staged; the run's hub and silos read the folder for the whole run. A
     # benchmark's next cell, staging another federation, evicted the least recently used: a running cell's.
-    root = federations_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    for k in range(2):
-        folder = root / f"inuse-test-{k}"
-        (folder / "silos").mkdir(parents=True)
-        (folder / COMPLETE).write_text("")
-        at = time.time() - 3600 * (1000 + k)  # older than any other kept federation
-        os.utime(folder / COMPLETE, (at, at))
-    others = {p.name for p in root.iterdir() if (p / COMPLETE).is_file()} - {f"inuse-test-{k}" for k in range(2)}
+    root, others = kept_folders("inuse-test", 2, hours_ago=1000)  # older than any other kept federation
     with staging_cache.in_use("inuse-test-1"), staging_cache.in_use("inuse-test-1"):  # two runs share it
         removed = evict(keep=len(others))
         assert [p.name for p in removed if p.name.startswith("inuse-test")] == ["inuse-test-0"]
