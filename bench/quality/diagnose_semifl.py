@@ -66,20 +66,21 @@ class Recorder:
         return 100 * scores["accuracy"]
 
     def wrap(self, fine_tune):
-        def measured(hub, model: nn.Module, round_number: int, epochs: int, **batches: Any) -> float:
+        def measured(hub, model: nn.Module, round_number: int, epochs: int) -> float:
             o, spec = hub.options, hub.model_spec
-            row: dict[str, Any] = {"lr": cosine_lr(o.lr, round_number, hub.total_rounds, o.lr_schedule)}
+            row: dict[str, Any] = {"lr": cosine_lr(o.lr, min(round_number, hub.total_rounds), hub.total_rounds,
+                                                 o.lr_schedule)}
             if self.rounds and self.counterfactual:
                 aggregate = copy.deepcopy(model)
                 labeled = clean_batches(hub.data.labeled_images, spec.mean, spec.std, hub.device)
                 compute_static_bn(aggregate, labeled)
                 alone = copy.deepcopy(self.sent)
-                fine_tune(hub, alone, round_number, epochs, **batches)  # the same batches as the real one
+                fine_tune(hub, alone, round_number, epochs)  # the same batches as the real one
                 row.update(aggregate=self.accuracy(hub, aggregate), alone=self.accuracy(hub, alone),
                            sent=self.accuracy(hub, self.sent),
                            silo_step=float((flat(aggregate) - flat(self.sent)).norm()),
                            alone_weights=flat(alone), aggregate_weights=flat(aggregate))
-            loss = fine_tune(hub, model, round_number, epochs, **batches)
+            loss = fine_tune(hub, model, round_number, epochs)
             row.update(after=self.accuracy(hub, model), weights=flat(model),
                        predictions=predict_logits(model, self.test.images, spec.mean, spec.std,
                                                   hub.device).argmax(1))

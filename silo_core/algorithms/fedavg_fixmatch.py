@@ -93,14 +93,14 @@ class ParallelFedAvgHub(HubAlgorithm):
 
     options: ParallelFedAvgOptions
 
-    def _train_hub(self, model: nn.Module, round_number: int, epochs: int, shuffle_round: int | None = None) -> float:
-        """Train on the hub's labels at round_number's learning rate, batches from shuffle_round's stream (default
-        round_number): the warm-up and round 1 share the rate, not the batches."""
+    def _train_hub(self, model: nn.Module, round_number: int, epochs: int) -> float:
+        """Train on the hub's labels, batches from round_number's own stream (0: the warm-up before round 1, which
+        shares round 1's learning rate, not its batches)."""
         o, spec = self.options, self.model_spec
         return train_supervised(
             model, self.data.labeled_images, self.data.labeled_labels, epochs=epochs, batch_size=o.hub_batch_size,
-            lr=o.lr_at(round_number, self.total_rounds), opt=o.optimizer(), mean=spec.mean, std=spec.std,
-            device=self.device, generator=seeded_generator(self.seed, shuffle_round or round_number, 1), flip=o.flip,
+            lr=o.lr_at(max(round_number, 1), self.total_rounds), opt=o.optimizer(), mean=spec.mean, std=spec.std,
+            device=self.device, generator=seeded_generator(self.seed, round_number, 1), flip=o.flip,
         )
 
     def _static_bn(self, model: nn.Module) -> None:
@@ -111,7 +111,7 @@ class ParallelFedAvgHub(HubAlgorithm):
     def init_state(self) -> HubState:
         torch.manual_seed(self.seed)
         model = self.initial_model()
-        loss = self._train_hub(model, 1, self.options.init_epochs)
+        loss = self._train_hub(model, 0, self.options.init_epochs)
         self._static_bn(model)
         return HubState(round=0, tensors=model_tensors(model), meta={"hub_loss": loss})
 
@@ -136,7 +136,7 @@ class ParallelFedAvgHub(HubAlgorithm):
             # The hub trains from the same W_t as the silos: "in parallel", only later in wall-clock time.
             hub_model = load_model(self.model_spec, state.tensors)
             start = {n: p.detach().clone() for n, p in hub_model.named_parameters()}
-            metrics["hub_loss"] = self._train_hub(hub_model, r, o.hub_epochs, shuffle_round=r + 1)
+            metrics["hub_loss"] = self._train_hub(hub_model, r, o.hub_epochs)
             hub_weight = 1.0 if o.aggregation == "uniform" else float(len(self.data.labeled_labels))
             for name, delta in weighted_delta(hub_model, start, hub_weight).items():
                 sums[name] = sums[name] + delta if name in sums else delta

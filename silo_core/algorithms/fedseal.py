@@ -267,17 +267,16 @@ class FedSEALHub(HubAlgorithm):
             raise ValueError("FedSEAL computes its per-class thresholds on a held-out labeled validation split: "
                              "set data.validation in hub.yaml (disjoint from data.labeled)")
 
-    def _server_update(self, model: nn.Module, round_number: int, epochs: int, shuffle_round: int | None = None
-                       ) -> float:
-        """Fine-tune on the hub's labels at round_number's learning rate, its batches drawn from shuffle_round's
-        stream (default round_number): the fine-tunes after rounds T-1 and T share the last learning rate, and
-        drawn from one stream they also shared their batches."""
+    def _server_update(self, model: nn.Module, round_number: int, epochs: int) -> float:
+        """Fine-tune on the hub's labels, batches drawn from round_number's own stream, at its learning rate, the
+        last round's past the end: the fine-tune after round T (round_number T + 1) shares round T's rate, not its
+        batches."""
         o, spec = self.options, self.model_spec
         return hub_update(
             model, self.data.labeled_images, self.data.labeled_labels, epochs=epochs,
-            batch_size=o.hub_batch_size, lr=o.lr_at(round_number, self.total_rounds), opt=o.optimizer(),
+            batch_size=o.hub_batch_size, lr=o.lr_at(min(round_number, self.total_rounds), self.total_rounds), opt=o.optimizer(),
             mean=spec.mean, std=spec.std, device=self.device,
-            generator=seeded_generator(self.seed, shuffle_round or round_number, 1), flip=o.flip,
+            generator=seeded_generator(self.seed, round_number, 1), flip=o.flip,
         )
 
     def _thresholds(self, model: nn.Module) -> torch.Tensor:
@@ -321,7 +320,7 @@ class FedSEALHub(HubAlgorithm):
         model = load_model(self.model_spec, state.tensors)
         total_weight = float(summed["weight"].sum()) if "weight" in summed else 0.0
         apply_mean_delta(model, summed, total_weight)  # no silo contributed: the hub fine-tunes w_t itself
-        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs, shuffle_round=r + 1)
+        hub_loss = self._server_update(model, r + 1, o.hub_epochs)
         tau = self._thresholds(model)
         # The validation accuracy is the round record's own score: the hub (and the benchmark) score every round's
         # served model on the same split.

@@ -113,11 +113,10 @@ class SemiFLHub(HubAlgorithm):
     name = "semifl"
     options: SemiFLOptions
 
-    def _server_update(self, model: nn.Module, round_number: int, epochs: int, shuffle_round: int | None = None
-                       ) -> float:
-        """Fine-tune on the hub's labels at round_number's learning rate, its batches drawn from shuffle_round's
-        stream (default round_number): the fine-tunes after rounds T-1 and T share the last learning rate, and
-        drawn from one stream they also shared their batches."""
+    def _server_update(self, model: nn.Module, round_number: int, epochs: int) -> float:
+        """Fine-tune on the hub's labels, batches drawn from round_number's own stream, at its learning rate, the
+        last round's past the end: the fine-tune after round T (round_number T + 1) shares round T's rate, not its
+        batches."""
         o, spec = self.options, self.model_spec
         return hub_update(
             model,
@@ -125,12 +124,12 @@ class SemiFLHub(HubAlgorithm):
             self.data.labeled_labels,
             epochs=epochs,
             batch_size=o.hub_batch(len(self.data.labeled_labels)),
-            lr=cosine_lr(o.lr, round_number, self.total_rounds, o.lr_schedule),
+            lr=cosine_lr(o.lr, min(round_number, self.total_rounds), self.total_rounds, o.lr_schedule),
             opt=o.optimizer(),
             mean=spec.mean,
             std=spec.std,
             device=self.device,
-            generator=seeded_generator(self.seed, shuffle_round or round_number, 1),
+            generator=seeded_generator(self.seed, round_number, 1),
             flip=o.flip,
         )
 
@@ -174,7 +173,7 @@ class SemiFLHub(HubAlgorithm):
                     buf = o.global_momentum * tensors[f"momentum/{name}"] + g
                     tensors[f"momentum/{name}"] = buf
                     param.sub_(o.global_lr * buf)
-        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), o.hub_epochs, shuffle_round=r + 1)
+        hub_loss = self._server_update(model, r + 1, o.hub_epochs)
         tensors.update(model_tensors(model))
         metrics = {"hub_loss": hub_loss, "aggregated_weight": total_weight}
         metrics.update(pseudo_label_metrics(summed_metrics))

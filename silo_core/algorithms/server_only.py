@@ -31,8 +31,7 @@ class ServerOnlyHub(SemiFLHub):
     ) -> tuple[HubState, dict[str, float]]:
         r = state.round + 1
         model = load_model(self.model_spec, state.tensors)
-        hub_loss = self._server_update(model, min(r + 1, self.total_rounds), self.options.hub_epochs,
-                                       shuffle_round=r + 1)  # as SemiFL: the baseline must match it batch for batch
+        hub_loss = self._server_update(model, r + 1, self.options.hub_epochs)  # as SemiFL's, batch for batch
         tensors = {**state.tensors, **model_tensors(model)}
         return HubState(round=r, tensors=tensors, meta=dict(state.meta)), {"hub_loss": hub_loss}
 

@@ -48,7 +48,7 @@ def test_hub_is_one_more_participant_of_a_weighted_mean(aggregation, expected, m
     state = hub.init_state()
     names = [n for n, _ in load_model(SPEC, state.tensors).named_parameters()]
 
-    def hub_moves_by_one(model, round_number, epochs, shuffle_round=None):  # the hub's SGD: every weight + 1
+    def hub_moves_by_one(model, round_number, epochs):  # stands in for the hub's SGD: every weight + 1
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)

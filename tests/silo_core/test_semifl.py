@@ -112,16 +112,14 @@ def test_init_epochs_set_the_warm_up_before_round_1_and_hub_epochs_every_round_a
     hub = tiny_hub({"hub_epochs": 2, "init_epochs": 5})
     epochs_run = []
     real = hub._server_update
-    monkeypatch.setattr(hub, "_server_update",
-                        lambda model, r, epochs, **kw: epochs_run.append(epochs) or real(model, r, epochs, **kw))
+    monkeypatch.setattr(hub, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
     state = hub.init_state()
     hub.finish_round(state, {}, {})
     assert epochs_run == [5, 2]
     epochs_run.clear()
     default = tiny_hub({"hub_epochs": 3})  # no init_epochs: the warm-up is hub_epochs long, as in the paper
     real = default._server_update
-    monkeypatch.setattr(default, "_server_update",
-                        lambda model, r, epochs, **kw: epochs_run.append(epochs) or real(model, r, epochs, **kw))
+    monkeypatch.setattr(default, "_server_update", lambda model, r, epochs: epochs_run.append(epochs) or real(model, r, epochs))
     default.finish_round(default.init_state(), {}, {})
     assert epochs_run == [3, 3]
 
