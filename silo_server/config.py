@@ -300,11 +300,9 @@ class HubConfig(StrictConfig):
         entry = get_algorithm(self.algorithm.name)
         supports = entry.silo is not None and entry.silo.supports_sample_dp
         unfit = sample_dp_unfit(self.algorithm.name, supports, self.algorithm.options, self.model.options)
-        if unfit is not None and not supports:
-            able = [n for n, e in ALGORITHMS.items() if e.silo is not None and e.silo.supports_sample_dp]
-            raise ValueError(f"{unfit}; it works with: {', '.join(able)}")
         if unfit is not None:
-            raise ValueError(unfit)
+            able = [n for n, e in ALGORITHMS.items() if e.silo is not None and e.silo.supports_sample_dp]
+            raise ValueError(unfit if supports else f"{unfit}; it works with: {', '.join(able)}")
         return self
 
 
