@@ -37,7 +37,7 @@ from security.tls import insecure_dev_channel, read_bundle, secure_channel
 from silo.v1 import silo_pb2, silo_pb2_grpc
 from silo_client.budget import DP_SGD_LIMITS, TaskBudget
 from silo_client.connection import TRANSIENT, WAIT_TASK_CAP_S, Connection, Outcome, Phase
-from silo_client.errors import SiloError, SiloLeft
+from silo_client.errors import SiloError, SiloLeft, UpdateUnsendable
 from silo_client.hub_link import (
     HUB_CHECK_EVERY_S,
     HubCertificateCheck,
@@ -488,7 +488,10 @@ class SiloClient:
             # Send each tensor in the dtype the hub declared (float16 for large ones with wire.half_precision).
             tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
                        for k, v in result.tensors.items()}
-            check_tensors(tensors, expected, plan.groups)  # our own bug must not reach the hub as garbage
+            try:  # our own bug, or a float16 overflow, must not reach the hub as garbage
+                check_tensors(tensors, expected, plan.groups)
+            except CodecError as err:
+                raise UpdateUnsendable(task.task_id, task.round, str(err)) from None
         secagg = bool(task.privacy.secagg_session)
 
         def charge() -> dict:  # the ledger's entry, written once the policy allows what leaves and before it does
@@ -575,6 +578,10 @@ class SiloClient:
                            retry_after=retry_after_s(err) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
         except CodecError as err:
             return Outcome("bad_bundle", message=str(err))
+        except UpdateUnsendable as err:  # the same update would fail again: the task is waited out
+            self.outbox.refused_tasks.add(err.task_id)
+            self.metrics.unsent()
+            return Outcome("bad_update", message=str(err))
         except PolicyStop as stop:  # something about to leave was outside the policy: nothing was sent
             return self._leave_for(stop.refusal)
         except SiloLeft as left:

@@ -40,7 +40,8 @@ class Phase(enum.Enum):
 class Outcome:
     """What one attempt gave. kind: "joined", "task" (task_kind WAIT/TRAIN/RECEIVE/SECAGG, retry_after: its WAIT
     pause), "done", "rpc_error" (code: the gRPC status name, retry_after: a rate refusal's retry-after),
-    "tls_refused", "hub_unchecked", "bad_bundle" or "left"."""
+    "tls_refused", "hub_unchecked", "bad_bundle" (the hub's bundle failed its check), "bad_update" (this silo's own
+    update failed its check: nothing was sent) or "left"."""
 
     kind: str
     code: str = ""
@@ -86,6 +87,8 @@ class Connection:
             return Step(Phase.WAITING)
         if o.kind == "bad_bundle":
             return Step(Phase.WAITING, wait_s=1.0, log=f"bad bundle from the hub ({o.message}); asking again")
+        if o.kind == "bad_update":  # the silo's own update, not the hub's fault: the task is waited out
+            return Step(Phase.WAITING, wait_s=1.0, log=o.message)
         if o.kind == "tls_refused":
             # Another CA, a wrong host name, an expired certificate: retrying for connect_timeout_s would not help;
             # a short grace covers a certificate being swapped on the hub just now.

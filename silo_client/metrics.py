@@ -75,10 +75,13 @@ SENT = Family("silokit_silo_sent_bytes", "counter", "Bytes of results uploaded t
 DEVICE = Family("silokit_silo_device_info", "gauge", "The device this silo trains on (value 1).", "device")
 LAST_CONTACT = Family("silokit_silo_last_contact_timestamp_seconds", "gauge", "Unix time of the last call the hub "
                       "answered.")
+UPDATES_UNSENT = Family("silokit_silo_updates_unsent", "counter", "Rounds this silo trained for whose update failed "
+                        "its own check before sending (a float16 overflow under the hub's wire.half_precision, "
+                        "say): nothing was sent.")
 HUB_ERRORS = Family("silokit_silo_hub_errors", "counter", "Calls to the hub that failed, by gRPC status.", "code")
 FAMILIES = (ROUNDS_JOINED, ROUNDS_SKIPPED, TRAIN_DURATION, ROUND, SAMPLES, UNREADABLE, ABOVE_THRESHOLD,
             PSEUDO_LABEL_RATIO, PSEUDO_LABEL_ACCURACY, SAMPLE_DP_EPSILON, EPSILON, PHASE, DEPARTURES, LOCAL_LOSS,
-            RECEIVED, SENT, DEVICE, LAST_CONTACT, HUB_ERRORS)
+            RECEIVED, SENT, DEVICE, LAST_CONTACT, UPDATES_UNSENT, HUB_ERRORS)
 
 
 class SiloMetricFamilies:
@@ -146,6 +149,7 @@ class SiloMetrics:
             families.values[silo] = {
                 # exported at zero from the start
                 ROUNDS_JOINED.name: 0.0, ROUNDS_SKIPPED.name: 0.0, RECEIVED.name: 0.0, SENT.name: 0.0,
+                UPDATES_UNSENT.name: 0.0,
                 TRAIN_DURATION.name: [0] * (len(TRAIN_BUCKETS) + 1) + [0.0], ROUND.name: 0.0, LAST_CONTACT.name: 0.0,
                 # unknown until the first round, not zero
                 ABOVE_THRESHOLD.name: NAN, PSEUDO_LABEL_RATIO.name: NAN, PSEUDO_LABEL_ACCURACY.name: NAN,
@@ -220,6 +224,10 @@ class SiloMetrics:
             self._set(LOCAL_LOSS, metrics["train_loss"])
         if "sample_dp_epsilon" in metrics:
             self._set(SAMPLE_DP_EPSILON, metrics["sample_dp_epsilon"])
+
+    def unsent(self) -> None:
+        """A trained update that failed the silo's own check: nothing was sent."""
+        self._add(UPDATES_UNSENT, 1)
 
     def hub_error(self, code: str) -> None:
         self._add(HUB_ERRORS, 1, code)

@@ -275,7 +275,9 @@ def silo_view() -> dict:
             Panel("Rounds joined", "timeseries", 8, 8, [
                 (f"silokit_silo_rounds_joined_total{s}", "joined"),
                 (f"silokit_silo_rounds_skipped_total{s}", "skipped"),
-            ], "Rounds this silo trained for and reported (skipped: nothing passed the threshold).", min=0),
+                (f"silokit_silo_updates_unsent_total{s}", "not sent"),
+            ], "Rounds this silo trained for and reported (skipped: nothing passed the threshold; not sent: its "
+               "update failed the silo's own check, such as a float16 overflow).", min=0),
             Panel("Local training", "timeseries", 8, 8, [
                 (f"rate(silokit_silo_local_train_duration_seconds_sum{s}[30m]) / "
                  f"rate(silokit_silo_local_train_duration_seconds_count{s}[30m])", "mean train time"),

@@ -108,6 +108,7 @@ class RoundLoop:
         self.stop_event = stop_event
         self.privacy = privacy
         self.half_precision = half_precision
+        self.said_half_precision = False  # the float16 overflow warning, once (_warn_half_precision)
         self.max_update_norm = max_update_norm  # what the privacy layer checks a securely aggregated sum against
         # Added to every plan's hyperparameters (privacy.sample_dp: the silos' DP-SGD settings).
         self.round_hyperparameters = dict(round_hyperparameters or {})
@@ -345,6 +346,16 @@ class RoundLoop:
         self.set_phase("done")
         return state
 
+    @staticmethod
+    def _warn_half_precision(heaviest: int) -> None:
+        """Said once a hub process: a silo multiplies its delta by its image count before the float16 cast, so
+        wire.half_precision can overflow where a plain mean would not."""
+        log.warning("wire.half_precision with updates weighted by image count: a silo sends its image count (up to "
+                    "%d this round) times its delta as float16, which ends at +-65504, so a delta value above %.3g "
+                    "overflows and that silo cannot send its update (it logs so and counts it in "
+                    "silokit_silo_updates_unsent_total); set wire.half_precision: false if rounds lose silos to it",
+                    heaviest, 65504 / max(1, heaviest))
+
     def stop(self) -> None:
         self.stop_event.set()
         with self.cond:
@@ -381,8 +392,11 @@ class RoundLoop:
             )
             if self.rule.needs_updates:
                 task.updates = UpdateStore(self.records.state_dir / "round-updates" / task.task_id)
-            task.weight_caps = validation.weight_cap(self.registry.weights(sampled),
-                                                     self.settings.max_weight_factor)
+            declared = self.registry.weights(sampled)
+            task.weight_caps = validation.weight_cap(declared, self.settings.max_weight_factor)
+            if self.half_precision and not plan.unit_weight and not self.said_half_precision:
+                self.said_half_precision = True
+                self._warn_half_precision(max(declared.values(), default=1))
             need = self.quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
                 # The sampling rate the accountant charges: the chance of a live silo (the only ones that can be
