@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,11 @@ Charge = Callable[[], dict | None]
 
 log = logging.getLogger("silo_client")
 
-UPLOAD_TIMEOUT_S = 600.0
+UPLOAD_TIMEOUT_S = 600.0  # an upload call's own limit, kept when the hub says nothing longer
+# The longest a hub can make an upload call wait (a task's upload_within_s): its rounds.deadline_s is at most a day;
+# past that a hub's word is not taken, so a hostile one cannot hold a branch's call open for ever.
+MAX_UPLOAD_WAIT_S = 86_400.0 + 60.0
+UPLOAD_MARGIN_S = 30.0  # past the hub's own close: its refusal, not our timeout, should end a late upload
 
 
 class PolicyStop(Exception):
@@ -88,6 +94,8 @@ class Outbox:
         # refused, which are not sent again.
         self.last_upload: SentUpload | None = None
         self.refused_tasks: set[str] = set()
+        # The last task polled and when (time.monotonic) the hub stops taking its upload, by its upload_within_s.
+        self.upload_open: tuple[str, float] = ("", 0.0)
 
     def pin(self, run_id: str, terms_sha256: str, chunk_bytes: int = 0) -> None:
         self.run_id, self.terms_sha256 = run_id, terms_sha256
@@ -110,7 +118,20 @@ class Outbox:
 
     def poll(self, request: silo_pb2.NextTaskRequest, timeout: float) -> silo_pb2.Task:
         self._record("poll", bytes=request.ByteSize(), round=request.last_round_done)
-        return self.stub.NextTask(request, timeout=timeout)
+        task = self.stub.NextTask(request, timeout=timeout)
+        within = task.upload_within_s
+        if task.task_id and math.isfinite(within) and within > 0:
+            self.upload_open = (task.task_id, time.monotonic() + min(within, MAX_UPLOAD_WAIT_S))
+        return task
+
+    def upload_timeout(self, task_id: str) -> float:
+        """The upload call's limit: UPLOAD_TIMEOUT_S, or until shortly after the hub stops taking this task's
+        upload when that is later (a silo waiting in the hub's upload queue keeps its place), at most
+        MAX_UPLOAD_WAIT_S."""
+        polled, until = self.upload_open
+        if polled != task_id:
+            return UPLOAD_TIMEOUT_S
+        return max(UPLOAD_TIMEOUT_S, min(until - time.monotonic() + UPLOAD_MARGIN_S, MAX_UPLOAD_WAIT_S))
 
     def download(self, request: silo_pb2.DownloadRequest, round_number: int, timeout: float) -> Iterator[Any]:
         self._record("download_request", bytes=request.ByteSize(), round=round_number, task=request.task_id)
@@ -147,7 +168,7 @@ class Outbox:
                               for n, t in sorted(tensors.items())], epsilon=epsilon)
         self.last_upload = SentUpload(task.task_id, dict(tensors), dict(metrics), skipped, epsilon)
         try:
-            self._stream(header, payload)
+            self._stream(header, payload, self.upload_timeout(task.task_id))
         except grpc.RpcError as err:
             if upload_refused(err):  # the same bytes would be refused again: the task is waited out instead
                 self.refused_tasks.add(task.task_id)
@@ -166,7 +187,7 @@ class Outbox:
         self._record(f"secagg:{stage}", round=round_number, task=task_id, bytes=len(payload) + header.ByteSize(),
                      sha256=header.sha256, tensors=tensors, epsilon=epsilon)
         try:
-            self._stream(header, payload)
+            self._stream(header, payload, self.upload_timeout(task_id))
         except grpc.RpcError as err:
             if upload_refused(err):  # refused, not lost: sending it again would be refused again
                 self.refused_tasks.add(task_id)
@@ -177,10 +198,10 @@ class Outbox:
         if refusal is not None:
             raise PolicyStop(refusal)
 
-    def _stream(self, header: silo_pb2.UploadHeader, payload: bytes) -> None:
+    def _stream(self, header: silo_pb2.UploadHeader, payload: bytes, timeout: float) -> None:
         def messages() -> Iterator[silo_pb2.UploadMessage]:
             yield silo_pb2.UploadMessage(header=header)
             for offset, data in iter_chunks(payload, self.chunk_bytes):
                 yield silo_pb2.UploadMessage(chunk=silo_pb2.Chunk(offset=offset, data=data))
 
-        self.stub.Upload(messages(), timeout=UPLOAD_TIMEOUT_S)
+        self.stub.Upload(messages(), timeout=timeout)

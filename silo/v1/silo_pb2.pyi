@@ -234,7 +234,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message", "secagg_stage", "secagg_payload", "privacy")
+    __slots__ = ("kind", "run_id", "round", "task_id", "bundle_bytes", "bundle_sha256", "hyperparameters_json", "class_thresholds", "expected", "retry_after_s", "message", "secagg_stage", "secagg_payload", "privacy", "upload_within_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Task.Kind]
@@ -263,6 +263,7 @@ class Task(_message.Message):
     SECAGG_STAGE_FIELD_NUMBER: _ClassVar[int]
     SECAGG_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     kind: Task.Kind
     run_id: str
     round: int
@@ -277,7 +278,8 @@ class Task(_message.Message):
     secagg_stage: str
     secagg_payload: bytes
     privacy: TaskPrivacy
-    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ..., secagg_stage: _Optional[str] = ..., secagg_payload: _Optional[bytes] = ..., privacy: _Optional[_Union[TaskPrivacy, _Mapping]] = ...) -> None: ...
+    upload_within_s: float
+    def __init__(self, kind: _Optional[_Union[Task.Kind, str]] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[str] = ..., bundle_bytes: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., class_thresholds: _Optional[_Iterable[float]] = ..., expected: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., message: _Optional[str] = ..., secagg_stage: _Optional[str] = ..., secagg_payload: _Optional[bytes] = ..., privacy: _Optional[_Union[TaskPrivacy, _Mapping]] = ..., upload_within_s: _Optional[float] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("run_id", "task_id")

@@ -102,6 +102,7 @@ class RoundPrivacy:
     min_contributors: int = 1
     outbox: dict[str, bytes] = field(default_factory=dict)  # the current stage's message per silo
     outbox_stage: str = ""
+    outbox_deadline: float = 0.0  # when the current stage stops taking answers (Unix time)
     answered: set[str] = field(default_factory=set)  # silos that answered the current stage
 
     def task_privacy(self, task_id: str, sample_dp: silo_pb2.SampleDPTerms | None = None) -> silo_pb2.TaskPrivacy:
@@ -418,10 +419,11 @@ class HubPrivacy:
                 stage_started = time.time()
                 rp.outbox, rp.outbox_stage, rp.answered = {}, next_stage, set()
                 rp.outbox = close()
+                rp.outbox_deadline = time.time() + deadline_s
                 hooks.cond.notify_all()
                 if hooks.answer is not None:
                     hooks.answer(rp)
-                deadline, ready_since, quorum_at = time.time() + deadline_s, None, None
+                deadline, ready_since, quorum_at = rp.outbox_deadline, None, None
                 while s.waiting_for() and time.time() < deadline:
                     if hooks.stop_event.is_set():
                         raise InterruptedError("hub stopping")

@@ -5,6 +5,7 @@ Secure-aggregation stage messages come in here too and are checked by the round'
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,12 @@ class TaskView:
     privacy: silo_pb2.TaskPrivacy | None = None  # TRAIN: the round's privacy, typed (None: the run has none)
     secagg_stage: str = ""  # SECAGG: the stage to run (share_keys, masked_input, consistency, unmask), its input
     secagg_payload: bytes = b""
+    upload_within_s: float = 0.0  # TRAIN, SECAGG: seconds from now that the hub still takes the task's upload
+
+
+def _left(deadline: float) -> float:
+    """Seconds until `deadline` (Unix time), never below 0: what a task's upload_within_s tells the silo."""
+    return max(0.0, deadline - time.time())
 
 
 class TaskIntake:
@@ -79,7 +86,7 @@ class TaskIntake:
             return TaskView(
                 "TRAIN", round=t.round, task_id=t.task_id, bundle_bytes=len(t.bundle), bundle_sha256=t.bundle_sha256,
                 hyperparameters_json=t.hyperparameters_json, class_thresholds=list(t.plan.class_thresholds),
-                expected=t.expected, privacy=self._task_privacy(t),
+                expected=t.expected, privacy=self._task_privacy(t), upload_within_s=_left(t.deadline),
             )
         if t and t.open and self._may_receive(silo_id, t):
             # The round's model without a part in it: the same bundle and plan as TRAIN, nothing to upload. An old
@@ -93,7 +100,7 @@ class TaskIntake:
             stage = HubPrivacy.view(t.privacy, silo_id)
             if stage is not None:
                 return TaskView("SECAGG", round=t.round, task_id=t.task_id, secagg_stage=stage[0],
-                                secagg_payload=stage[1])
+                                secagg_payload=stage[1], upload_within_s=_left(t.privacy.outbox_deadline))
         return TaskView("WAIT", retry_after_s=0.5, message=f"phase {rounds.phase}, round {rounds.round}")
 
     def _task_privacy(self, t: ActiveTask) -> silo_pb2.TaskPrivacy | None:

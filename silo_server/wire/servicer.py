@@ -401,6 +401,7 @@ class FederationServicer(silo_pb2_grpc.FederationServicer):
                 privacy=view.privacy,
                 secagg_stage=view.secagg_stage,
                 secagg_payload=view.secagg_payload,
+                upload_within_s=view.upload_within_s,
             )
 
     async def Download(self, request, context) -> AsyncIterator[silo_pb2.Chunk]:

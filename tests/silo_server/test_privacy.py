@@ -614,3 +614,26 @@ def test_client_dp_refuses_clip_tensors_that_name_none_of_the_updates_tensors():
         check_clip_tensors(["delta/"], hassle)
     check_clip_tensors(["S/delta/", "U/delta/"], hassle)
     check_clip_tensors(["delta/"], {"delta/conv.weight": TensorSpec((4, 1, 3, 3), "float32")})
+
+
+def test_every_task_says_how_long_the_hub_still_takes_its_upload(tmp_path):
+    # TRAIN carries the round's time left (deadline_s 20), each SECAGG stage its own (stage_deadline_s 1): what a
+    # silo waiting in the hub's upload queue keeps its call open for (silo_client/outbox.py upload_timeout).
+    hub = make(tmp_path, PrivacySection(secure_aggregation=SECAGG))
+    seen: list[tuple[str, str, float]] = []
+    next_task = hub.next_task
+
+    def recording(silo_id, run_id, wait_s):
+        view = next_task(silo_id, run_id, wait_s=wait_s)
+        if view.kind in ("TRAIN", "SECAGG"):
+            seen.append((view.kind, view.secagg_stage, view.upload_within_s))
+        return view
+
+    hub.next_task = recording
+    run_with_silos(hub, [1.0, 2.0, 3.0, 4.0, 5.0])
+    assert hub.records.history[-1].secagg.contributors == 5
+    train = [w for kind, _, w in seen if kind == "TRAIN"]
+    assert len(train) == 5 and all(15 < w <= 20 for w in train)
+    assert {stage for kind, stage, _ in seen if kind == "SECAGG"} == {"share_keys", "masked_input", "consistency",
+                                                                       "unmask"}
+    assert all(0 < w <= 1.0 for kind, _, w in seen if kind == "SECAGG")

@@ -1,0 +1,98 @@
+"""A silo whose upload waits in the hub's upload queue keeps its call open while the hub says it still takes the
+upload (the task's upload_within_s: the round's time left), over real gRPC, instead of timing out at its own limit
+and sending the same bytes again; a hub's word past a day, or a value that is no number, is not taken."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from security.audit import AUDIT_FILE
+from silo.v1 import silo_pb2
+from silo_client import outbox as outbox_module
+from silo_client.outbox import MAX_UPLOAD_WAIT_S, UPLOAD_MARGIN_S, UPLOAD_TIMEOUT_S, Outbox
+from silo_server.app import HubApp
+from silo_server.config import parse_config
+from tests.silo_client.test_receive import run_dev_silos
+
+HELD_S = 6.0  # how long the test keeps the hub's whole upload budget
+
+
+def hub_config(tmp_path):
+    return parse_config({
+        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
+        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
+        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
+        "model": {"options": {"width": 4}},
+        "algorithm": {"name": "semifl", "options": {
+            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
+            "tau": 0.0}},
+        "rounds": {"total": 1, "silos_per_round_count": 1, "min_silos": 1, "quorum": 1.0, "deadline_s": 120},
+        "security": {"allowed_silos": ["dev-1"]},
+    }, base=tmp_path)
+
+
+def test_an_upload_queued_at_the_hub_waits_for_the_round_not_the_silos_own_limit(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(outbox_module, "UPLOAD_TIMEOUT_S", 2.0)  # the silo's own limit, well under HELD_S
+    app = HubApp(hub_config(tmp_path), insecure_dev_only=True)
+    budget = app.hub.intake.upload_budget
+    polled: list[float] = []
+    poll = Outbox.poll
+
+    def polling(self, request, timeout):
+        task = poll(self, request, timeout)
+        if task.kind == silo_pb2.Task.TRAIN:
+            polled.append(task.upload_within_s)
+        return task
+
+    monkeypatch.setattr(Outbox, "poll", polling)
+    held = threading.Event()
+
+    def hold_the_budget():  # another silo's large upload, in the hub's memory for HELD_S
+        with budget.hold(budget.limit):
+            held.set()
+            time.sleep(HELD_S)
+
+    holder = threading.Thread(target=hold_the_budget, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    started = time.time()
+    history = run_dev_silos(app, tmp_path, ["dev-1"])
+    holder.join(10)
+
+    assert [r.silos_reported for r in history] == [1]
+    assert polled and all(100 < s <= 120 for s in polled)  # the round's 120 s deadline, less what has passed
+    records = [json.loads(line) for line in (tmp_path / "state-dev-1" / AUDIT_FILE).read_text().splitlines()]
+    # One upload call that waited its turn: not cut at 2 s and sent again (each send is its own audit record).
+    assert [r["round"] for r in records if r["kind"] == "upload"] == [1]
+    assert time.time() - started >= HELD_S - 1  # it did wait behind the held budget
+
+
+class _Stub:
+    def __init__(self, within: float):
+        self.within = within
+
+    def NextTask(self, request, timeout):  # noqa: N802 (the gRPC method's name)
+        return silo_pb2.Task(kind=silo_pb2.Task.TRAIN, task_id="t1", upload_within_s=self.within)
+
+
+class _Audit:
+    def append(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize(("within", "timeout"), [
+    (0.0, UPLOAD_TIMEOUT_S),  # a hub that does not say: the silo's own limit
+    (60.0, UPLOAD_TIMEOUT_S),  # closes sooner than the silo's own limit: that limit stays
+    (3_600.0, 3_600.0 + UPLOAD_MARGIN_S),
+    (1e12, MAX_UPLOAD_WAIT_S),  # past a day: not taken
+    (float("inf"), UPLOAD_TIMEOUT_S), (float("nan"), UPLOAD_TIMEOUT_S), (-5.0, UPLOAD_TIMEOUT_S),
+])
+def test_the_upload_limit_follows_the_hubs_word_within_bounds(within, timeout) -> None:
+    box = Outbox(_Stub(within), _Audit(), None, dict)
+    box.poll(silo_pb2.NextTaskRequest(), timeout=1)
+    assert box.upload_timeout("t1") == pytest.approx(timeout, abs=1.0)
+    assert box.upload_timeout("another task") == UPLOAD_TIMEOUT_S
