@@ -44,6 +44,25 @@ def run_federation(tmp_path, every_round: bool):
     return run_dev_silos(HubApp(hub_config(tmp_path, every_round), insecure_dev_only=True), tmp_path, SILOS)
 
 
+def semifl_hub_config(tmp_path, silos, options=None, **sections):
+    """A small SemiFL hub for `silos` (2 rounds, every silo in every round, tau 0: every image passes); `options`
+    adds SemiFL options, other sections (rounds, wire) are merged over the defaults."""
+    rounds = {"total": 2, "silos_per_round_count": len(silos), "min_silos": len(silos), "quorum": 1.0,
+              "deadline_s": 120, **sections.pop("rounds", {})}
+    return parse_config({
+        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
+        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
+        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
+        "model": {"options": {"width": 4}},
+        "algorithm": {"name": "semifl", "options": {
+            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
+            "tau": 0.0, **(options or {})}},
+        "rounds": rounds,
+        "security": {"allowed_silos": list(silos)},
+        **sections,
+    }, base=tmp_path)
+
+
 def run_dev_silos(app: HubApp, tmp_path, silos) -> list:
     """The hub's run to its end over real gRPC, with a silo-client for each of `silos` (insecure development mode,
     4 images each under tmp_path); returns the rounds' records. Everything started is stopped."""

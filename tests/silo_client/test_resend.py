@@ -17,24 +17,13 @@ from silo_server.state.registry import Refusal
 from silo_server.wire.intake import TaskView
 from silo_tools.audit import main as silo_audit
 from tests.silo_client.test_cli_errors import write_images
-from tests.silo_client.test_receive import run_dev_silos
+from tests.silo_client.test_receive import run_dev_silos, semifl_hub_config
 
 SILOS = ("dev-1", "dev-2")
 
 
 def hub_config(tmp_path, **rounds):
-    return parse_config({
-        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
-        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
-        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
-        "model": {"options": {"width": 4}},
-        "algorithm": {"name": "semifl", "options": {
-            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
-            "tau": 0.0}},
-        "rounds": {"total": 2, "silos_per_round_count": 2, "min_silos": 2, "quorum": 1.0, "deadline_s": 120,
-                   **rounds},
-        "security": {"allowed_silos": list(SILOS)},
-    }, base=tmp_path)
+    return semifl_hub_config(tmp_path, SILOS, rounds=rounds)
 
 
 def audited(state, kind):

@@ -14,26 +14,14 @@ from security.audit import AUDIT_FILE
 from silo_client import metrics as silo_metrics
 from silo_core.algorithms.semifl import SemiFLSilo
 from silo_server.app import HubApp
-from silo_server.config import parse_config
-from tests.silo_client.test_receive import run_dev_silos
+from tests.silo_client.test_receive import run_dev_silos, semifl_hub_config
 
 SILOS = ("dev-1", "dev-2")
 
 
 def hub_config(tmp_path):
-    return parse_config({
-        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
-        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
-        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
-        "model": {"options": {"width": 4}},
-        "algorithm": {"name": "semifl", "options": {
-            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
-            "tau": 0.0, "aggregation": "samples"}},
-        "rounds": {"total": 2, "silos_per_round_count": 2, "min_silos": 2, "quorum": 0.5, "deadline_s": 120,
-                   "wait_after_quorum_s": 1},
-        "wire": {"half_precision": True},
-        "security": {"allowed_silos": list(SILOS)},
-    }, base=tmp_path)
+    return semifl_hub_config(tmp_path, SILOS, options={"aggregation": "samples"},
+                             rounds={"quorum": 0.5, "wait_after_quorum_s": 1}, wire={"half_precision": True})
 
 
 def test_an_update_that_overflows_float16_is_not_sent_nor_retrained_and_the_round_goes_on(

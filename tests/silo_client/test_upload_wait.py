@@ -15,24 +15,13 @@ from silo.v1 import silo_pb2
 from silo_client import outbox as outbox_module
 from silo_client.outbox import MAX_UPLOAD_WAIT_S, UPLOAD_MARGIN_S, UPLOAD_TIMEOUT_S, Outbox
 from silo_server.app import HubApp
-from silo_server.config import parse_config
-from tests.silo_client.test_receive import run_dev_silos
+from tests.silo_client.test_receive import run_dev_silos, semifl_hub_config
 
 HELD_S = 6.0  # how long the test keeps the hub's whole upload budget
 
 
 def hub_config(tmp_path):
-    return parse_config({
-        "run": {"state_dir": "state", "device": "cpu", "threads": 1},
-        "server": {"host": "127.0.0.1", "port": 0, "certs": "hub", "linger_s": 5},
-        "data": {"labeled": {"kind": "demo", "labels_per_class": 1}},
-        "model": {"options": {"width": 4}},
-        "algorithm": {"name": "semifl", "options": {
-            "init_epochs": 1, "hub_epochs": 1, "local_epochs": 1, "silo_batch_size": 2, "hub_batch_size": 5,
-            "tau": 0.0}},
-        "rounds": {"total": 1, "silos_per_round_count": 1, "min_silos": 1, "quorum": 1.0, "deadline_s": 120},
-        "security": {"allowed_silos": ["dev-1"]},
-    }, base=tmp_path)
+    return semifl_hub_config(tmp_path, ["dev-1"], rounds={"total": 1})
 
 
 def test_an_upload_queued_at_the_hub_waits_for_the_round_not_the_silos_own_limit(tmp_path, monkeypatch) -> None:
