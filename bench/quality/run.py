@@ -226,9 +226,13 @@ def parse_option_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 def run_cell(method: str, partition: str, seed: int, profile: Profile, train, test, device,
              model: str = "small_cnn", model_options: dict[str, Any] | None = None,
              init_weights: Path | None = None, aggregation: AggregationSection | None = None, attackers: int = 0,
-             attack: str = "sign_flip") -> dict[str, Any]:
+             attack: str = "sign_flip", normalize: tuple[list[float], list[float]] | None = None,
+             stop_after: int | None = None) -> dict[str, Any]:
     """One cell. `aggregation` is hub.yaml's aggregation section (default: the mean); `attackers`: the first K
-    silos poison their updates with `attack` (silo_sim/attacks.py; bench/quality/robustness.py)."""
+    silos poison their updates with `attack` (silo_sim/attacks.py; bench/quality/robustness.py). The network takes
+    the images' channels and size, normalised by `normalize` (mean, std; default 0.5 per channel). `stop_after`:
+    run only that many of the profile's rounds, the learning-rate schedule still planned over all of them (a
+    paper's curve at an early round)."""
     entry = get_algorithm(method)
     options = entry.options.model_validate(cell_options(method, profile))
     labels = train.labels.numpy()
@@ -239,7 +243,11 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         rest = rest[: profile.unlabeled_limit]
     parts = make_partition(labels[rest], profile.num_silos, PARTITIONS[partition]["scheme"], seed,
                            **{k: v for k, v in PARTITIONS[partition].items() if k != "scheme"})
-    spec = ModelSpec(name=model, num_classes=len(train.classes), options=dict(model_options or {}))
+    channels, size = int(train.images.shape[1]), int(train.images.shape[2])
+    mean, std = normalize or ([0.5] * channels, [0.5] * channels)
+    spec = ModelSpec(name=model, num_classes=len(train.classes), in_channels=channels, image_size=size,
+                     mean=list(mean), std=list(std), options=dict(model_options or {}))
+    last = stop_after or profile.rounds
     hub_data = HubData(train.images[hub_idx], train.labels[hub_idx], train.images[val_idx], train.labels[val_idx])
     torch.manual_seed(seed)
     hub = entry.hub(options, spec, hub_data, device, seed, profile.rounds)
@@ -266,7 +274,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
 
     def evaluate_state(state):
         # The round the state is after (0: the initial model, which the hub's loop scores before round 1).
-        if state.round == 0 or (state.round % profile.eval_every and state.round != profile.rounds):
+        if state.round == 0 or (state.round % profile.eval_every and state.round != last):
             return {}
         result = evaluate(hub.served_model(state), test.images, test.labels, spec.mean, spec.std, device)
         print(f"    {partition} {method} seed {seed} round {state.round}: {100 * result['accuracy']:.2f}%",
@@ -274,7 +282,7 @@ def run_cell(method: str, partition: str, seed: int, profile: Profile, train, te
         return result
 
     started = time.time()
-    _, history = run_inprocess(hub, silo, silos, profile.rounds, profile.silos_per_round, seed, evaluate_state,
+    _, history = run_inprocess(hub, silo, silos, last, profile.silos_per_round, seed, evaluate_state,
                                validate=validate_state, **({"aggregation": aggregation} if aggregation else {}))
     final = history[-1]
     selected = evaluate(best_model["model"], test.images, test.labels, spec.mean, spec.std, device)
