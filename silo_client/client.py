@@ -49,7 +49,7 @@ from silo_client.hub_link import (
 from silo_client.ledger import BranchLedger
 from silo_client.local_data import load_branch_data, usable_count
 from silo_client.metrics import SiloMetricFamilies, SiloMetrics
-from silo_client.outbox import Charge, Outbox, PolicyStop, SentUpload, metrics_allowed
+from silo_client.outbox import Charge, Outbox, PolicyStop, SentUpload, metrics_allowed, update_to_send
 from silo_client.policy import Refusal, allowed_factories, check_run, required_noise_std
 from silo_client.privacy import SessionFloor, SiloPrivacy
 from silo_client.run_checks import (
@@ -76,7 +76,7 @@ from silo_core.data import (
     DataError,
     ImageFiles,
 )
-from silo_core.tensors import DTYPES, CodecError, TensorSpec, assemble, check_tensors, decode
+from silo_core.tensors import CodecError, TensorSpec, assemble, decode
 from silo_core.training import resolve_device
 
 VERSION = "0.2.0"
@@ -483,21 +483,16 @@ class SiloClient:
         result = self.algorithm.local_update(plan, self.data)
         metrics = {**result.metrics, "train_seconds": time.time() - started}
         self._count_unreadable(task.round)
-        tensors = {}
-        if not result.skipped:
-            # Send each tensor in the dtype the hub declared (float16 for large ones with wire.half_precision).
-            tensors = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
-                       for k, v in result.tensors.items()}
-            try:  # our own bug, or a float16 overflow, must not reach the hub as garbage
-                check_tensors(tensors, expected, plan.groups)
-            except CodecError as err:
-                raise UpdateUnsendable(task.task_id, task.round, str(err)) from None
-        secagg = bool(task.privacy.secagg_session)
+        in_clear = not (task.privacy.secagg_session or task.privacy.client_dp.enabled)  # else privacy.py encodes it
+        try:  # our own bug, or a float16 overflow, must not reach the hub as garbage
+            tensors = {} if result.skipped else update_to_send(result.tensors, expected, plan.groups, in_clear)
+        except CodecError as err:
+            raise UpdateUnsendable(task.task_id, task.round, str(err)) from None
 
         def charge() -> dict:  # the ledger's entry, written once the policy allows what leaves and before it does
             return budget.charge(metrics, self.metrics, skipped=result.skipped)
 
-        if secagg or task.privacy.client_dp.enabled:  # silo_client/privacy.py decides what leaves, and when to charge
+        if not in_clear:  # silo_client/privacy.py decides what leaves, and when to charge
             sent = self.privacy.submit(self.silo_id, self.run.run_id, task, result, expected,
                                        noise_std=required_noise_std(self.policy, self.pinned, task.privacy),
                                        floor=SessionFloor.of(self.pinned, self.policy), charge=charge)

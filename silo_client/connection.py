@@ -87,7 +87,8 @@ class Connection:
             return Step(Phase.WAITING)
         if o.kind == "bad_bundle":
             return Step(Phase.WAITING, wait_s=1.0, log=f"bad bundle from the hub ({o.message}); asking again")
-        if o.kind == "bad_update":  # the silo's own update, not the hub's fault: the task is waited out
+        if o.kind == "bad_update":  # the hub answered; the silo's own update failed: the task is waited out
+            self.backoff_s, self.unreachable_since, self.tls_refused_since = 1.0, None, None
             return Step(Phase.WAITING, wait_s=1.0, log=o.message)
         if o.kind == "tls_refused":
             # Another CA, a wrong host name, an expired certificate: retrying for connect_timeout_s would not help;

@@ -27,7 +27,7 @@ from silo.v1 import silo_pb2
 from silo_client.hub_link import upload_refused
 from silo_client.ledger import EPSILON_KEYS, RELEASE, RunEpsilon
 from silo_client.policy import BranchPolicy, Refusal, check_upload
-from silo_core.tensors import CHUNK_BYTES, encode, iter_chunks, sha256_hex
+from silo_core.tensors import CHUNK_BYTES, DTYPES, TensorSpec, check_tensors, encode, iter_chunks, sha256_hex
 
 # Writes a release's ledger entry (or gives the figures of one already written) and returns its epsilon figures for
 # the audit record: called only once the message passed the policy, so a message the silo refuses costs nothing.
@@ -69,6 +69,23 @@ def epsilon_fields(figures: RunEpsilon | None, lifetime: float | None,
         return None
     values = (figures.client, figures.sample, figures.image, lifetime)
     return {**dict(zip(EPSILON_KEYS, values, strict=True)), RELEASE: release}
+
+
+def update_to_send(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec],
+                   groups: Mapping[str, list[str]] | None, in_clear: bool) -> dict[str, torch.Tensor]:
+    """A local result as it may leave, checked as the hub will check it (names, shapes, dtypes, finite values):
+    in the clear each tensor in the dtype the hub declared, float16 for large ones under wire.half_precision;
+    otherwise (secure aggregation, client-level DP) as float32, which silo_client/privacy.py clips, noises or masks.
+    Raises CodecError: a float16 overflow of an update weighted by its image count, or our own bug."""
+    if in_clear:
+        sent = {k: (v.to(DTYPES[expected[k].dtype]) if k in expected and v.is_floating_point() else v)
+                for k, v in tensors.items()}
+        specs = dict(expected)
+    else:
+        sent = dict(tensors)
+        specs = {k: TensorSpec(s.shape, "float32") if s.dtype == "float16" else s for k, s in expected.items()}
+    check_tensors(sent, specs, groups)
+    return sent
 
 
 def metrics_allowed(metrics: Mapping[str, float], asked: list[str]) -> dict[str, float]:
@@ -120,8 +137,9 @@ class Outbox:
         self._record("poll", bytes=request.ByteSize(), round=request.last_round_done)
         task = self.stub.NextTask(request, timeout=timeout)
         within = task.upload_within_s
-        if task.task_id and math.isfinite(within) and within > 0:
-            self.upload_open = (task.task_id, time.monotonic() + min(within, MAX_UPLOAD_WAIT_S))
+        if task.task_id:  # the latest word on this task: a SECAGG stage's time left replaces its TRAIN's
+            told = math.isfinite(within) and within > 0
+            self.upload_open = (task.task_id, time.monotonic() + min(within, MAX_UPLOAD_WAIT_S)) if told else ("", 0.0)
         return task
 
     def upload_timeout(self, task_id: str) -> float:

@@ -423,6 +423,7 @@ class HubPrivacy:
                 hooks.cond.notify_all()
                 if hooks.answer is not None:
                     hooks.answer(rp)
+                    rp.outbox_deadline = time.time() + deadline_s  # in-process silos answered: the stage starts now
                 deadline, ready_since, quorum_at = rp.outbox_deadline, None, None
                 while s.waiting_for() and time.time() < deadline:
                     if hooks.stop_event.is_set():

@@ -394,9 +394,6 @@ class RoundLoop:
                 task.updates = UpdateStore(self.records.state_dir / "round-updates" / task.task_id)
             declared = self.registry.weights(sampled)
             task.weight_caps = validation.weight_cap(declared, self.settings.max_weight_factor)
-            if self.half_precision and not plan.unit_weight and not self.said_half_precision:
-                self.said_half_precision = True
-                self._warn_half_precision(max(declared.values(), default=1))
             need = self.quorum_count(len(sampled))
             if self.privacy is not None:  # raises BudgetExhausted before anything is handed out
                 # The sampling rate the accountant charges: the chance of a live silo (the only ones that can be
@@ -405,6 +402,11 @@ class RoundLoop:
                 weight_cap = 1.0 if plan.unit_weight else max(task.weight_caps.values(), default=1.0)
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need, weight_cap)
                 task.accepted = task.privacy.accepted
+            # Only uploads in the clear travel as float16: secure aggregation and client-level DP take float32.
+            clear = task.privacy is None or (task.privacy.session is None and task.privacy.instructions is None)
+            if self.half_precision and clear and not plan.unit_weight and not self.said_half_precision:
+                self.said_half_precision = True
+                self._warn_half_precision(max(declared.values(), default=1))
             log.info("round %d attempt %d: sampled %d of %d silos, quorum %d%s", r, attempt, len(sampled), len(live), need,
                      "; the others receive the model without training" if broadcast is not None else "")
             task.rss_at_open = self.rss_meter.restart()

@@ -21,32 +21,37 @@ SILOS = ("dev-1", "dev-2")
 
 def hub_config(tmp_path):
     return semifl_hub_config(tmp_path, SILOS, options={"aggregation": "samples"},
-                             rounds={"quorum": 0.5, "wait_after_quorum_s": 1}, wire={"half_precision": True})
+                             rounds={"quorum": 0.5, "wait_after_quorum_s": 4}, wire={"half_precision": True})
 
 
-def test_an_update_that_overflows_float16_is_not_sent_nor_retrained_and_the_round_goes_on(
-        tmp_path, monkeypatch, caplog) -> None:
+def overflow_in_round_1(monkeypatch, silo: str) -> tuple[list[tuple[str, int]], list[float]]:
+    """`silo`'s round-1 update holds 1e5 wherever the wire declares float16 (past its 65504). Returns the (silo,
+    round) of every local update and silokit_silo_updates_unsent_total after each count (no series is shared)."""
     trained: list[tuple[str, int]] = []
-    local_update = SemiFLSilo.local_update
+    unsent: list[float] = []
+    local_update, counted = SemiFLSilo.local_update, silo_metrics.SiloMetrics.unsent
 
     def overflowing(self, plan, data):
         result = local_update(self, plan, data)
         trained.append((data.silo_id, plan.round))
         halved = [n for n, spec in plan.expected.items() if spec.dtype == "float16"]
         assert halved  # the wire sends some of the delta as float16, or there is nothing to overflow
-        if data.silo_id == "dev-1" and plan.round == 1:  # a weighted delta of 1e5: past float16's 65504
+        if data.silo_id == silo and plan.round == 1:
             result.tensors = {k: torch.full_like(v, 1e5) if k in halved else v for k, v in result.tensors.items()}
         return result
-
-    monkeypatch.setattr(SemiFLSilo, "local_update", overflowing)
-    unsent: list[float] = []  # silokit_silo_updates_unsent_total after each count (the silos share no series)
-    counted = silo_metrics.SiloMetrics.unsent
 
     def count(self):
         counted(self)
         unsent.append(self.values[silo_metrics.UPDATES_UNSENT.name])
 
+    monkeypatch.setattr(SemiFLSilo, "local_update", overflowing)
     monkeypatch.setattr(silo_metrics.SiloMetrics, "unsent", count)
+    return trained, unsent
+
+
+def test_an_update_that_overflows_float16_is_not_sent_nor_retrained_and_the_round_goes_on(
+        tmp_path, monkeypatch, caplog) -> None:
+    trained, unsent = overflow_in_round_1(monkeypatch, "dev-1")
     with caplog.at_level(logging.INFO):
         history = run_dev_silos(HubApp(hub_config(tmp_path), insecure_dev_only=True), tmp_path, SILOS)
 
@@ -64,3 +69,19 @@ def test_an_update_that_overflows_float16_is_not_sent_nor_retrained_and_the_roun
     assert not any("bad bundle from the hub" in m for m in said)
     warned = [m for m in said if m.startswith("wire.half_precision with updates weighted by image count")]
     assert len(warned) == 1 and "up to 4 this round" in warned[0]  # once, naming the heaviest silo's 4 images
+
+
+def test_under_secure_aggregation_the_same_update_leaves_as_float32_and_the_hub_does_not_warn(
+        tmp_path, monkeypatch, caplog) -> None:
+    # Masked inputs are built from the float32 update (the hub takes no float16 there): nothing overflows.
+    silos = ("dev-1", "dev-2", "dev-3")
+    config = semifl_hub_config(tmp_path, silos, options={"aggregation": "samples"}, rounds={"total": 1},
+                               wire={"half_precision": True},
+                               privacy={"secure_aggregation": {"enabled": True, "min_cohort": 3, "dropouts": 0}})
+    trained, unsent = overflow_in_round_1(monkeypatch, "dev-1")
+    with caplog.at_level(logging.INFO):
+        history = run_dev_silos(HubApp(config, insecure_dev_only=True), tmp_path, silos)
+    assert [(r.silos_reported, r.secagg.contributors) for r in history] == [(3, 3)]
+    assert sorted(trained) == [(s, 1) for s in silos] and unsent == []
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("failed its own check" in m or m.startswith("wire.half_precision with") for m in said)
