@@ -61,6 +61,7 @@ from silo_client.run_checks import (
     check_upload_fits,
     count_image_files,
     data_key,
+    described,
     guards_against_hub,
     least_update_bytes,
     model_spec_of,
@@ -86,15 +87,6 @@ _TERMS_SAID: set[tuple[str, str]] = set()  # (run, terms hash) whose terms this 
 
 def run_here(work: Callable[..., Any], *args: Any) -> Any:
     return work(*args)
-
-
-def described(run: silo_pb2.RunDescription) -> bytes:
-    """The run description less the hub's wire setting (chunk_bytes, which a restarted hub may change): what a
-    silo's checks of a run (its policy, the model it may build) were made on."""
-    copy = silo_pb2.RunDescription()
-    copy.CopyFrom(run)
-    copy.chunk_bytes = 0
-    return copy.SerializeToString(deterministic=True)
 
 
 class SiloClient:

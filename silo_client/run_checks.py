@@ -23,6 +23,15 @@ from silo_core.models import ModelSpec, TensorShape, architecture, architecture_
 from silo_core.training import autocast, on_device
 
 
+def described(run: silo_pb2.RunDescription) -> bytes:
+    """The run description less the hub's wire setting (chunk_bytes, which a restarted hub may change): what a
+    silo's checks of a run (its policy, the model it may build) were made on."""
+    copy = silo_pb2.RunDescription()
+    copy.CopyFrom(run)
+    copy.chunk_bytes = 0
+    return copy.SerializeToString(deterministic=True)
+
+
 def guards_against_hub(dp: silo_pb2.ClientDPTerms) -> bool:
     """Client-level DP protects this silo from the hub only when the silos add the noise themselves (distributed);
     central noise is added by the hub after it has seen the sum, so against the hub it guarantees nothing."""

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)  # 65504: past it a float16 cast gives inf
 CHUNK_BYTES = 256 << 10  # 256 KiB: far under gRPC's 4 MiB message cap, and little held per open stream
 
 DTYPES: dict[str, torch.dtype] = {

@@ -105,6 +105,11 @@ class RoundPrivacy:
     outbox_deadline: float = 0.0  # when the current stage stops taking answers (Unix time)
     answered: set[str] = field(default_factory=set)  # silos that answered the current stage
 
+    @property
+    def in_clear(self) -> bool:
+        """Whether silos send this round's results in the clear (neither masked nor clipped and noised by them)."""
+        return self.session is None and self.instructions is None
+
     def task_privacy(self, task_id: str, sample_dp: silo_pb2.SampleDPTerms | None = None) -> silo_pb2.TaskPrivacy:
         """What a TRAIN task tells the silo about this round's privacy, typed (checked there against the pinned
         terms: security/terms.py task_breaches)."""

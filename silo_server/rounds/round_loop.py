@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from security import validation
 from silo_core.algorithms.base import HubAlgorithm, HubState
 from silo_core.rounds import AggregationRound, RoundRecord, Sampling
-from silo_core.tensors import encode, sha256_hex
+from silo_core.tensors import FLOAT16_MAX, encode, sha256_hex
 from silo_server.rounds.breaker import BreakerHunt, BreakerSearch
 from silo_server.rounds.memory import RssMeter
 from silo_server.rounds.privacy import (
@@ -354,7 +354,7 @@ class RoundLoop:
                     "%d this round) times its delta as float16, which ends at +-65504, so a delta value above %.3g "
                     "overflows and that silo cannot send its update (it logs so and counts it in "
                     "silokit_silo_updates_unsent_total); set wire.half_precision: false if rounds lose silos to it",
-                    heaviest, 65504 / max(1, heaviest))
+                    heaviest, FLOAT16_MAX / max(1, heaviest))
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -403,7 +403,7 @@ class RoundLoop:
                 task.privacy = self.privacy.begin(task.task_id, plan.expected, sampled, population, need, weight_cap)
                 task.accepted = task.privacy.accepted
             # Only uploads in the clear travel as float16: secure aggregation and client-level DP take float32.
-            clear = task.privacy is None or (task.privacy.session is None and task.privacy.instructions is None)
+            clear = task.privacy is None or task.privacy.in_clear
             if self.half_precision and clear and not plan.unit_weight and not self.said_half_precision:
                 self.said_half_precision = True
                 self._warn_half_precision(max(declared.values(), default=1))
