@@ -498,11 +498,11 @@ def test_a_secure_round_whose_keys_came_from_a_silo_since_revoked_fails_below_qu
     for s in silos:
         s.start()
     runner, stopped = round_until_stopped(hub)
-    deadline = time.time() + 30
-    while hub.registry.counters.get("rounds_failed", 0) < 1 and time.time() < deadline:
-        time.sleep(0.05)
+    def logged_failure():  # the hub counts the failure, then logs it: wait for the log line the test reads
+        return next((r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage()), None)
+
+    failure = wait_for(logged_failure, timeout=30, what="the logged failure of attempt 1", poll=0.05)
     assert hub.registry.counters["rounds_failed"] == 1 and hub.registry.counters.get("below_quorum") == 1
-    failure = next(r.getMessage() for r in caplog.records if "attempt 1 failed" in r.getMessage())
     assert "2 of 4 sampled silos finished training, below quorum 3" in failure
     assert all("share_keys" not in s.sent for s in silos)
     hub.stop()
