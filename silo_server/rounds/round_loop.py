@@ -490,13 +490,14 @@ class RoundLoop:
             attempt_failed = getattr(sink, "attempt_failed", None)  # a sink written before the method: skipped
             if attempt_failed is not None:
                 attempt_failed(failed)
+        # Counted before the attempt is: whoever sees failed_attempts move sees the counters moved too.
+        self.registry.count("rounds_failed")
+        if "below quorum" in reason:
+            self.registry.count("below_quorum")
         with self.cond:
             self.task = None
             self.failed_attempts += 1
             failures = self.failed_attempts
-        self.registry.count("rounds_failed")
-        if "below quorum" in reason:
-            self.registry.count("below_quorum")
         if not self.transport.silos_can_change:  # in process: the same silos would fail the same way
             if failures >= self.settings.max_attempts:
                 raise RuntimeError(f"round {task.round} failed {failures} times in a row (last: {reason})")
