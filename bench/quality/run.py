@@ -135,8 +135,9 @@ PROFILES = {
 }
 
 # Cells trained at a time when --jobs is not given. The medium profile's promise is an hour on 2 cores: two
-# 1-thread jobs took 53 minutes where one 2-thread job took about 69 (its IID half 35). Its committed cells ran so,
-# and a cell's arithmetic depends on its thread count. The full profile's cells ran at 2 threads: left at 1 job.
+# 1-thread jobs took 53 minutes on an Intel Xeon (73 on an AMD EPYC VM) where one 2-thread job took about 69
+# (its IID half 35). Its committed cells ran so, and a cell's arithmetic depends on its thread count. The full
+# profile's cells ran at 2 threads: left at 1 job.
 DEFAULT_JOBS = {"medium": 2}
 
 # What a profile's table can and cannot tell, printed under its title. Kept apart from Profile on purpose: a
