@@ -161,9 +161,10 @@ PROFILE_NOTES: dict[str, str] = {
               "full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 against +1.8, HASSLE +0.6 against "
               "+0.1, the supervised ceiling +10.1 against +10.6; 2 classes per silo: SemiFL +1.7 against +1.4, "
               "FedSEAL +0.7 against +0.8, HASSLE +0.4 against -0.3, the supervised ceiling +3.1 against +3.2) "
-              "but FedAvg+FixMatch's (IID -21.9 against -15.1, 2 classes per silo -5.9 against -3.9), whose "
-              "collapse ends where luck puts it: its cells spread over 20 points between seeds on IID in both "
-              "profiles; it ranks last in both. The supervised ceiling is above server-only on both (+10.1 and "
+              "but FedAvg+FixMatch's (28 November's code: IID -21.9 against -15.1, 2 classes per silo -5.9 "
+              "against -3.9; 2 December's: IID -20.4 against -36.0, 2 classes per silo -5.9), whose collapse "
+              "ends where luck puts it: its cells spread over 20 points between seeds on IID in both profiles "
+              "and on both codes; it ranks last in both. The supervised ceiling is above server-only on both (+10.1 and "
               "+3.1 here). One seed's lift is good to about a point (HASSLE's spread from -0.9 to +1.4 here); "
               "the profile runs seed 0, `--seeds 0 1 2` all three (about 2.5 hours).",
     "tiny": "**This profile does not rank methods**: 2 rounds on 400 unlabeled images only show that the "
