@@ -76,6 +76,16 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the machine's cores: each worker's in-process torch gets its share, so
+    two workers training at once do not oversubscribe the cores (the processes the tests start set their own)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def sim_data_cache(tmp_path_factory):
     """silo-sim's PNG cache of in-memory datasets (silo_sim/stage.py as_files) for this test session only: shared
