@@ -21,12 +21,13 @@ def cpu_name() -> str:
 def machine() -> dict[str, Any]:
     """The machine record every benchmark writes beside its figures. The CPU and the vector instructions torch
     picked its kernels for are in it because the same command with the same torch and threads ends a few tenths
-    to a point apart on another processor."""
+    to a point apart on another processor, and torch's thread count because at 1 thread against 2 its sums run in
+    another order and the same cell ends up to 0.6 points apart."""
     import torch
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "cpu": cpu_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cuda": torch.cuda.is_available()}
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -384,6 +384,19 @@ def processors_line(cells: list[dict[str, Any]]) -> str:
     return ""
 
 
+def threads_line(cells: list[dict[str, Any]]) -> str:
+    """A line naming each torch thread count the cells ran at, when more than one was recorded (a resumed folder
+    run with another --threads): the same cell ends up to 0.6 points apart at 1 thread and at 2; "" otherwise.
+    Cells from before the count was recorded are left out of it."""
+    counts = Counter(c["machine"]["torch_threads"] for c in cells if "torch_threads" in c.get("machine", {}))
+    if len(counts) < 2:
+        return ""
+    listed = "; ".join(f"{threads} thread{'s' if threads > 1 else ''}, {n} cell{'s' if n > 1 else ''}"
+                       for threads, n in sorted(counts.items()))
+    return ("The cells ran at more than one thread count, and a cell's figures move with it (bench/README.md): "
+            + listed + ".")
+
+
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
     methods = [m for m in METHODS if any(c["method"] == m for c in cells)]
     partitions = [p for p in PARTITIONS if any(c["partition"] == p for c in cells)]
@@ -396,8 +409,11 @@ def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info:
                 "does not apply, see bench/README.md)" if other else "") + ", mean ± std over seeds (n = seeds).",
              *([PROFILE_NOTES[profile_name]] if profile_name in PROFILE_NOTES and not other else []),
              f"Machine: {machine_info['platform']}, {cpus(machine_info)}"
-             + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU") + ".",
+             + (f", {machine_info.get('gpu')}" if machine_info.get("cuda") else ", no GPU")
+             + (f", {threads} torch thread{'s' if threads > 1 else ''} a cell"
+                if (threads := machine_info.get("torch_threads")) else "") + ".",
              *([line] if (line := processors_line(cells)) else []),
+             *([line] if (line := threads_line(cells)) else []),
              f"Model: {'; '.join(sorted({model_name(c) for c in cells}))}.",
              *([f"Options that differ from the profile's: {changed}."] if (changed := changed_options(
                  cells, profile_name)) else []), "",

@@ -100,3 +100,25 @@ def test_the_table_names_each_processor_its_cells_ran_on():
     # Every cell on one recorded processor: the machine line says it all.
     header = quality.markdown_table(cells[:2], "full", zen).split("| method |")[0]
     assert "more than one processor" not in header and "before the runner recorded" not in header
+
+
+def test_the_table_names_each_thread_count_its_cells_ran_at():
+    # At 1 torch thread against 2 the same cell ends up to 0.6 points apart, so a folder resumed with another
+    # --threads must say that its cells mix the two.
+    quality = load_script("bench/quality/run.py", "quality_run")
+    assert quality.machine()["torch_threads"] == torch.get_num_threads()
+    one = {"platform": "test", "cpu_count": 2, "cuda": False, "cpu": "AMD EPYC", "cpu_capability": "AVX2",
+           "torch_threads": 1}
+    two = {**one, "torch_threads": 2}
+    cells = [{"method": "semifl", "partition": "iid", "seed": seed, "final_accuracy": 0.8, "model": "small_cnn",
+              "machine": info} for seed, info in enumerate([two, one, two, {"platform": "older run"}])]
+
+    header = quality.markdown_table(cells, "full", two).split("| method |")[0]
+    assert "2 CPUs (AMD EPYC, AVX2), no GPU, 2 torch threads a cell." in header
+    assert ("more than one thread count, and a cell's figures move with it (bench/README.md): 1 thread, 1 cell; "
+            "2 threads, 2 cells.") in header
+    header = quality.markdown_table([cells[0], cells[2], cells[3]], "full", two).split("| method |")[0]
+    assert "more than one thread count" not in header
+    # A run record from before the count was kept has no thread clause.
+    old = {k: v for k, v in one.items() if k != "torch_threads"}
+    assert "2 CPUs (AMD EPYC, AVX2), no GPU." in quality.markdown_table(cells[:1], "full", old)
