@@ -79,14 +79,19 @@ def test_the_quick_and_tiny_tables_say_they_do_not_rank_methods():
     assert "does not rank" not in quality.markdown_table(cells, "full", machine)
 
 
+def semifl_cells_ran_on(*machines: dict) -> list[dict]:
+    """One IID SemiFL cell a seed, each with the machine record it ran on."""
+    return [{"method": "semifl", "partition": "iid", "seed": seed, "final_accuracy": 0.8, "model": "small_cnn",
+             "machine": info} for seed, info in enumerate(machines)]
+
+
 def test_the_table_names_each_processor_its_cells_ran_on():
     quality = load_script("bench/quality/run.py", "quality_run")
     here = quality.machine()
     assert here["cpu"] and here["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     zen = {"platform": "test", "cpu_count": 2, "cuda": False, "cpu": "AMD EPYC", "cpu_capability": "AVX2"}
     other = {**zen, "cpu": "Intel Xeon", "cpu_capability": "AVX512"}
-    cells = [{"method": "semifl", "partition": "iid", "seed": seed, "final_accuracy": 0.8, "model": "small_cnn",
-              "machine": info} for seed, info in enumerate([zen, zen, other, {"platform": "older run"}])]
+    cells = semifl_cells_ran_on(zen, zen, other, {"platform": "older run"})
 
     header = quality.markdown_table(cells, "full", zen).split("| method |")[0]
     assert "2 CPUs (AMD EPYC, AVX2), no GPU." in header
@@ -110,8 +115,7 @@ def test_the_table_names_each_thread_count_its_cells_ran_at():
     one = {"platform": "test", "cpu_count": 2, "cuda": False, "cpu": "AMD EPYC", "cpu_capability": "AVX2",
            "torch_threads": 1}
     two = {**one, "torch_threads": 2}
-    cells = [{"method": "semifl", "partition": "iid", "seed": seed, "final_accuracy": 0.8, "model": "small_cnn",
-              "machine": info} for seed, info in enumerate([two, one, two, {"platform": "older run"}])]
+    cells = semifl_cells_ran_on(two, one, two, {"platform": "older run"})
 
     header = quality.markdown_table(cells, "full", two).split("| method |")[0]
     assert "2 CPUs (AMD EPYC, AVX2), no GPU, 2 torch threads a cell." in header
