@@ -160,7 +160,7 @@ PROFILE_NOTES: dict[str, str] = {
               "classes per silo; in the full profile 0.0 and 0.3 below). Over three seeds every lift over "
               "server-only is within a point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 "
               "against +2.0, HASSLE +0.6 against 0.0, the supervised ceiling +10.1 against +10.5; 2 classes per "
-              "silo: SemiFL +1.7 against +1.9, FedSEAL +0.7 against +0.1, HASSLE +0.4 against -0.3, the "
+              "silo: SemiFL +1.7 against +1.9, FedSEAL +0.7 against +0.1 (+0.8 at 1 thread), HASSLE +0.4 against -0.3, the "
               "supervised ceiling +3.1 against +3.2) but FedAvg+FixMatch's (28 November's code: IID -21.9 "
               "against -15.1, 2 classes per silo -5.9 against -3.9; 1-4 December's: IID -20.4 against -36.0, 2 "
               "classes per silo -5.9 against -4.7), whose collapse ends where luck puts it: its cells spread over 20 points "
