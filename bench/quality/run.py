@@ -160,11 +160,11 @@ PROFILE_NOTES: dict[str, str] = {
               "classes per silo; in the full profile 0.0 and 0.3 below). Over three seeds every lift over "
               "server-only is within a point of the full profile's (IID: SemiFL +3.1 against +3.0, FedSEAL +2.0 "
               "against +2.0, HASSLE +0.6 against 0.0, the supervised ceiling +10.1 against +10.5; 2 classes per "
-              "silo: SemiFL +1.7 against +1.9, FedSEAL +0.7 against +0.1 (+0.8 at 1 thread), HASSLE +0.4 against -0.3, the "
-              "supervised ceiling +3.1 against +3.2) but FedAvg+FixMatch's (28 November's code: IID -21.9 "
-              "against -15.1, 2 classes per silo -5.9 against -3.9; 1-4 December's: IID -20.4 against -36.0, 2 "
-              "classes per silo -5.9 against -4.7), whose collapse ends where luck puts it: its cells spread over 20 points "
-              "between seeds on IID in both profiles and on both codes; it ranks last in both. The supervised "
+              "silo: SemiFL +1.7 against +1.9, FedSEAL +0.7 against +0.1 (+0.8 at 1 thread), HASSLE +0.4 "
+              "against -0.3, the supervised ceiling +3.1 against +3.2) but FedAvg+FixMatch's (28 November's "
+              "code: IID -21.9 against -15.1, 2 classes per silo -5.9 against -3.9; 1-4 December's: IID -20.4 "
+              "against -36.0, 2 classes per silo -5.9 against -4.7), whose collapse ends where luck puts it: its "
+              "cells spread over 20 points between seeds on IID in both profiles and on both codes; it ranks last in both. The supervised "
               "ceiling is above server-only on both (+10.1 and +3.1 here). One seed's lift is good to about a "
               "point (HASSLE's spread from -0.9 to +1.4 here); the profile runs seed 0, `--seeds 0 1 2` all "
               "three (about 2.5 hours).",
@@ -386,15 +386,19 @@ def processors_line(cells: list[dict[str, Any]]) -> str:
 
 def threads_line(cells: list[dict[str, Any]]) -> str:
     """A line naming each torch thread count the cells ran at, when more than one was recorded (a resumed folder
-    run with another --threads): the same cell ends up to 0.6 points apart at 1 thread and at 2; "" otherwise.
-    Cells from before the count was recorded are left out of it."""
-    counts = Counter(c["machine"]["torch_threads"] for c in cells if "torch_threads" in c.get("machine", {}))
-    if len(counts) < 2:
+    run with another --threads) or some cells predate the record: the same cell ends up to 0.6 points apart at 1
+    thread and at 2; "" otherwise."""
+    counts = Counter(c.get("machine", {}).get("torch_threads", 0) for c in cells)  # 0: not recorded
+    recorded = [threads for threads in counts if threads]
+    if len(recorded) < 2 and not (recorded and 0 in counts):
         return ""
-    listed = "; ".join(f"{threads} thread{'s' if threads > 1 else ''}, {n} cell{'s' if n > 1 else ''}"
-                       for threads, n in sorted(counts.items()))
-    return ("The cells ran at more than one thread count, and a cell's figures move with it (bench/README.md): "
-            + listed + ".")
+    def named(threads: int) -> str:
+        return "not recorded" if not threads else f"{threads} thread{'s' if threads > 1 else ''}"
+    listed = "; ".join(f"{named(threads)}, {n} cell{'s' if n > 1 else ''}"
+                       for threads, n in sorted(counts.items(), reverse=True))
+    lead = ("The cells ran at more than one thread count" if len(recorded) >= 2 else
+            "Some cells ran before the runner recorded the thread count, perhaps at another")
+    return f"{lead}, and a cell's figures move with it (bench/README.md): {listed}."
 
 
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:

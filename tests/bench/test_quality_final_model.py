@@ -119,10 +119,14 @@ def test_the_table_names_each_thread_count_its_cells_ran_at():
 
     header = quality.markdown_table(cells, "full", two).split("| method |")[0]
     assert "2 CPUs (AMD EPYC, AVX2), no GPU, 2 torch threads a cell." in header
-    assert ("more than one thread count, and a cell's figures move with it (bench/README.md): 1 thread, 1 cell; "
-            "2 threads, 2 cells.") in header
+    assert ("more than one thread count, and a cell's figures move with it (bench/README.md): 2 threads, 2 cells; "
+            "1 thread, 1 cell; not recorded, 1 cell.") in header
     header = quality.markdown_table([cells[0], cells[2], cells[3]], "full", two).split("| method |")[0]
     assert "more than one thread count" not in header
+    assert ("Some cells ran before the runner recorded the thread count, perhaps at another, and a cell's figures "
+            "move with it (bench/README.md): 2 threads, 2 cells; not recorded, 1 cell.") in header
+    header = quality.markdown_table([cells[0], cells[2]], "full", two).split("| method |")[0]
+    assert "thread count" not in header
     # A run record from before the count was kept has no thread clause.
     old = {k: v for k, v in one.items() if k != "torch_threads"}
     assert "2 CPUs (AMD EPYC, AVX2), no GPU." in quality.markdown_table(cells[:1], "full", old)
