@@ -369,36 +369,33 @@ def changed_options(cells: list[dict[str, Any]], profile_name: str) -> str:
     return "; ".join(f"{m} {', '.join(sorted(c))}" for m, c in changes.items() if c)
 
 
-def processors_line(cells: list[dict[str, Any]]) -> str:
-    """A line naming each processor the cells ran on, when they ran on more than one or some cells predate the
-    record (the machine line names only this run's processor); "" otherwise."""
-    counts = Counter(processor(c["machine"]) if "cpu" in c.get("machine", {}) else "not recorded" for c in cells)
+def mixed_records_line(names: list[str], mixed: str, unrecorded: str) -> str:
+    """A line counting the cells by what their machine records say ("not recorded" for a record without it), when
+    two or more values were recorded (`mixed`) or some cells predate the record (`unrecorded`); "" otherwise: the
+    machine line names only this run's."""
+    counts = Counter(names)
     recorded = [name for name in counts if name != "not recorded"]
     listed = "; ".join(f"{name}, {n} cell{'s' if n > 1 else ''}" for name, n in counts.items()) + "."
-    if len(recorded) >= 2:
-        return ("The cells ran on more than one processor, and a cell's figures move with it (bench/README.md): "
-                + listed)
-    if recorded and "not recorded" in counts:
-        return ("Some cells ran before the runner recorded the processor, perhaps on another one, and a cell's "
-                "figures move with it (bench/README.md): " + listed)
-    return ""
+    lead = mixed if len(recorded) >= 2 else unrecorded if recorded and "not recorded" in counts else ""
+    return f"{lead}, and a cell's figures move with it (bench/README.md): {listed}" if lead else ""
+
+
+def processors_line(cells: list[dict[str, Any]]) -> str:
+    """Each processor the cells ran on, when there were several or some cells predate the record."""
+    return mixed_records_line(
+        [processor(c["machine"]) if "cpu" in c.get("machine", {}) else "not recorded" for c in cells],
+        "The cells ran on more than one processor",
+        "Some cells ran before the runner recorded the processor, perhaps on another one")
 
 
 def threads_line(cells: list[dict[str, Any]]) -> str:
-    """A line naming each torch thread count the cells ran at, when more than one was recorded (a resumed folder
-    run with another --threads) or some cells predate the record: the same cell ends up to 0.6 points apart at 1
-    thread and at 2; "" otherwise."""
-    counts = Counter(c.get("machine", {}).get("torch_threads", 0) for c in cells)  # 0: not recorded
-    recorded = [threads for threads in counts if threads]
-    if len(recorded) < 2 and not (recorded and 0 in counts):
-        return ""
-    def named(threads: int) -> str:
-        return "not recorded" if not threads else f"{threads} thread{'s' if threads > 1 else ''}"
-    listed = "; ".join(f"{named(threads)}, {n} cell{'s' if n > 1 else ''}"
-                       for threads, n in sorted(counts.items(), reverse=True))
-    lead = ("The cells ran at more than one thread count" if len(recorded) >= 2 else
-            "Some cells ran before the runner recorded the thread count, perhaps at another")
-    return f"{lead}, and a cell's figures move with it (bench/README.md): {listed}."
+    """Each torch thread count the cells ran at, when there were several (a resumed folder run with another
+    --threads) or some cells predate the record: the same cell ends up to 0.6 points apart at 1 thread and at 2."""
+    counts = sorted((c.get("machine", {}).get("torch_threads", 0) for c in cells), reverse=True)  # 0: not recorded
+    return mixed_records_line(
+        [f"{n} thread{'s' if n > 1 else ''}" if n else "not recorded" for n in counts],
+        "The cells ran at more than one thread count",
+        "Some cells ran before the runner recorded the thread count, perhaps at another")
 
 
 def markdown_table(cells: list[dict[str, Any]], profile_name: str, machine_info: dict[str, Any]) -> str:
